@@ -1,0 +1,36 @@
+.DEFAULT_GOAL := help
+SHELL := /bin/bash
+
+GO        ?= go
+BIN       := $(CURDIR)/bin
+TEMPORAL  := $(BIN)/temporal
+TEMPORAL_CLI_VERSION := v1.5.1
+export PATH := $(BIN):$(PATH)
+
+.PHONY: help
+help: ## Show this help.
+	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-13s\033[0m %s\n", $$1, $$2}'
+
+$(TEMPORAL):
+	@echo "building the temporal CLI $(TEMPORAL_CLI_VERSION) into bin/ (about 5 minutes, once)"
+	GOBIN=$(BIN) $(GO) install github.com/temporalio/cli/cmd/temporal@$(TEMPORAL_CLI_VERSION)
+
+.PHONY: temporal-cli
+temporal-cli: $(TEMPORAL) ## Build the Temporal CLI (dev server) into bin/ if missing.
+
+.PHONY: demo
+demo: $(TEMPORAL) ## Run the main job: transfers with injected redeliveries on embedded PostgreSQL + Temporal.
+	$(GO) run ./cmd/demo $(DEMO_FLAGS)
+
+.PHONY: test
+test: $(TEMPORAL) ## Run all tests (race detector) against real PostgreSQL and a real Temporal dev server.
+	$(GO) test -race -count=1 -timeout 30m ./...
+
+.PHONY: lint
+lint: ## gofmt and go vet.
+	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+	$(GO) vet ./...
+
+.PHONY: fuzz
+fuzz: ## Short fuzz run of identity encoding.
+	$(GO) test ./dedupactivity -run '^$$' -fuzz FuzzIdentityEncode -fuzztime 20s

@@ -1,0 +1,147 @@
+package dedupactivity_test
+
+import (
+	"context"
+	"strings"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/dedupactivity/dedupactivity/dedupactivity"
+	"github.com/dedupactivity/dedupactivity/internal/pgtest"
+)
+
+func TestNewValidatesOptions(t *testing.T) {
+	t.Parallel()
+	pool := &pgxpool.Pool{} // never used: New fails first
+	_, err := dedupactivity.New(nil, dedupactivity.Options{})
+	require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions)
+	require.Contains(t, err.Error(), "pool")
+
+	cases := map[string]struct {
+		opts  dedupactivity.Options
+		field string
+	}{
+		"TableInjection":  {dedupactivity.Options{Table: `x"; DROP TABLE account; --`}, "Table"},
+		"TableUpper":      {dedupactivity.Options{Table: "Markers"}, "Table"},
+		"TableTooLong":    {dedupactivity.Options{Table: strings.Repeat("t", 41)}, "Table"},
+		"SchemaInjection": {dedupactivity.Options{Schema: "public; DROP SCHEMA public"}, "Schema"},
+		"ClaimWait":       {dedupactivity.Options{ClaimWait: -1}, "ClaimWait"},
+		"Retention":       {dedupactivity.Options{Retention: 1}, "Retention"},
+		"Policy":          {dedupactivity.Options{MismatchPolicy: 42}, "MismatchPolicy"},
+		"MaxResultBytes":  {dedupactivity.Options{MaxResultBytes: -1}, "MaxResultBytes"},
+	}
+	for name, c := range cases {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			_, err := dedupactivity.New(pool, c.opts)
+			require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions)
+			require.Contains(t, err.Error(), c.field)
+		})
+	}
+}
+
+func TestBadCalls(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+
+	t.Run("NotAnActivityContext", func(t *testing.T) {
+		fn := dedupactivity.Wrap(b.d, b.post)
+		_, err := fn(context.Background(), Transfer{Account: "a", Amount: 1})
+		require.ErrorIs(t, err, dedupactivity.ErrNotActivity)
+		ae := appErr(t, err)
+		require.Equal(t, dedupactivity.ErrTypeInvalidUsage, ae.Type())
+		require.True(t, ae.NonRetryable())
+	})
+	t.Run("NilDeduper", func(t *testing.T) {
+		fn := dedupactivity.Wrap[Transfer, Posting](nil, b.post)
+		_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
+		require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions)
+	})
+	t.Run("NilEffect", func(t *testing.T) {
+		fn := dedupactivity.Wrap[Transfer, Posting](b.d, nil)
+		_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
+		require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions)
+	})
+	t.Run("ValuesTheConverterCannotEncode", func(t *testing.T) {
+		chanIn := dedupactivity.Wrap(b.d, func(ctx context.Context, tx pgx.Tx, in chan int) (int, error) { return 0, nil })
+		chanOut := dedupactivity.Wrap(b.d, func(ctx context.Context, tx pgx.Tx, in Transfer) (chan int, error) {
+			_, err := b.post(ctx, tx, in)
+			return make(chan int), err
+		})
+		// The driver hands the wrapped functions values Temporal itself
+		// could not have delivered.
+		driver := func(ctx context.Context, which string) (string, error) {
+			var err error
+			if which == "in" {
+				_, err = chanIn(ctx, make(chan int))
+			} else {
+				_, err = chanOut(ctx, Transfer{Account: "a", Amount: 1})
+			}
+			return "", err
+		}
+		for _, which := range []string{"in", "out"} {
+			_, err := deliver(t, "Driver", driver, which)
+			require.ErrorIs(t, err, dedupactivity.ErrEncoding, which)
+			ae := appErr(t, err)
+			require.Equal(t, dedupactivity.ErrTypeEncoding, ae.Type())
+			require.True(t, ae.NonRetryable())
+		}
+	})
+	t.Run("HugeBusinessKey", func(t *testing.T) {
+		fn := dedupactivity.Wrap(b.d, b.post, dedupactivity.WithBusinessKey(func(Transfer) (string, error) {
+			return strings.Repeat("k", 1<<20), nil
+		}))
+		_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
+		require.ErrorIs(t, err, dedupactivity.ErrIdentityTooLarge)
+	})
+	t.Run("BusinessKeyWithNULAndInvalidUTF8", func(t *testing.T) {
+		fn := dedupactivity.Wrap(b.d, b.post, dedupactivity.WithBusinessKey(func(in Transfer) (string, error) {
+			return "k\x00\xff" + in.Account, nil
+		}))
+		_, err := deliver(t, "Odd", fn, Transfer{Account: "b", Amount: 1})
+		require.NoError(t, err)
+		_, err = deliver(t, "Odd", fn, Transfer{Account: "b", Amount: 1})
+		require.NoError(t, err)
+		require.Equal(t, int64(1), b.count(t, `SELECT count(*) FROM ledger WHERE account = 'b'`))
+	})
+	require.Zero(t, b.count(t, `SELECT count(*) FROM ledger WHERE account = 'a'`), "no bad call wrote anything")
+}
+
+func TestRegisterPanicsOnBadArguments(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	require.Panics(t, func() { dedupactivity.Register(nil, b.d, "", b.post) })
+	require.Panics(t, func() { dedupactivity.Register[Transfer, Posting](nil, nil, "Post", b.post) })
+}
+
+func TestNotMigrated(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t)
+	d, err := dedupactivity.New(s.Pool, dedupactivity.Options{})
+	require.NoError(t, err)
+	fn := dedupactivity.Wrap(d, func(ctx context.Context, tx pgx.Tx, in Transfer) (int, error) { return 1, nil })
+	_, err = deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
+	require.ErrorIs(t, err, dedupactivity.ErrNotMigrated)
+}
+
+func TestReadOnlyDatabase(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	_, err := b.pool.Exec(context.Background(), `SELECT 1`)
+	require.NoError(t, err)
+	cfg := b.pool.Config().Copy()
+	cfg.ConnConfig.RuntimeParams["default_transaction_read_only"] = "on"
+	ro, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	defer ro.Close()
+	d, err := dedupactivity.New(ro, dedupactivity.Options{})
+	require.NoError(t, err)
+	fn := dedupactivity.Wrap(d, b.post)
+	_, err = deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
+	require.Error(t, err)
+	require.Contains(t, err.Error(), "read-only")
+	require.Zero(t, b.markers(t))
+}

@@ -1,0 +1,383 @@
+package dedupactivity_test
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+	"go.temporal.io/sdk/activity"
+	"go.temporal.io/sdk/temporal"
+	"go.temporal.io/sdk/testsuite"
+
+	"github.com/dedupactivity/dedupactivity/dedupactivity"
+)
+
+func appErr(t *testing.T, err error) *temporal.ApplicationError {
+	t.Helper()
+	var ae *temporal.ApplicationError
+	require.ErrorAs(t, err, &ae, "want an ApplicationError, got %v", err)
+	return ae
+}
+
+func TestDuplicateReturnsStoredResult(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	fn := dedupactivity.Wrap(b.d, b.post)
+	in := Transfer{Account: "a", Amount: 10}
+
+	first, err := deliver(t, "Post", fn, in)
+	require.NoError(t, err)
+	require.Equal(t, int64(10), first.Balance)
+
+	second, err := deliver(t, "Post", fn, in)
+	require.NoError(t, err)
+	require.Equal(t, first, second, "a duplicate returns the first attempt's result")
+	require.Equal(t, int64(1), b.effects.Load(), "the effect ran once")
+	require.Equal(t, int64(1), b.ledgerRows(t))
+	require.Equal(t, int64(1), b.markers(t))
+}
+
+func TestMarkerAndEffectInOneTransaction(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	var txPID, claimPID uint32
+	dedupactivity.SetAfterClaimHook(b.d, func(ctx context.Context, tx pgx.Tx) error {
+		claimPID = tx.Conn().PgConn().PID()
+		// The marker is visible inside the transaction, not outside it.
+		var inside, outside int
+		if err := tx.QueryRow(ctx, `SELECT count(*) FROM dedup_marker`).Scan(&inside); err != nil {
+			return err
+		}
+		if err := b.pool.QueryRow(ctx, `SELECT count(*) FROM dedup_marker`).Scan(&outside); err != nil {
+			return err
+		}
+		if inside != 1 || outside != 0 {
+			return errors.New("marker not private to the claim transaction")
+		}
+		return nil
+	})
+	fn := dedupactivity.Wrap(b.d, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+		txPID = tx.Conn().PgConn().PID()
+		return b.post(ctx, tx, in)
+	})
+	_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
+	require.NoError(t, err)
+	require.Equal(t, claimPID, txPID, "effect runs on the claim's connection")
+}
+
+func TestConcurrentDeliveries(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{ClaimWait: 20 * time.Second})
+	fn := dedupactivity.Wrap(b.d, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+		p, err := b.post(ctx, tx, in)
+		time.Sleep(200 * time.Millisecond) // hold the claim while others arrive
+		return p, err
+	})
+	const n = 32
+	var (
+		wg      sync.WaitGroup
+		mu      sync.Mutex
+		results []Posting
+		errs    []error
+	)
+	start := make(chan struct{})
+	for range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-start
+			p, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 5})
+			mu.Lock()
+			defer mu.Unlock()
+			if err != nil {
+				errs = append(errs, err)
+				return
+			}
+			results = append(results, p)
+		}()
+	}
+	close(start)
+	wg.Wait()
+
+	require.Empty(t, errs)
+	require.Len(t, results, n)
+	for _, r := range results {
+		require.Equal(t, results[0], r, "every successful attempt returns the committed result")
+	}
+	require.Equal(t, int64(1), b.effects.Load())
+	require.Equal(t, int64(1), b.ledgerRows(t))
+	require.Equal(t, int64(5), b.count(t, `SELECT balance FROM account WHERE id = 'a'`))
+}
+
+func TestClaimWaitIsBounded(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{ClaimWait: 300 * time.Millisecond})
+	holding, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	dedupactivity.SetAfterClaimHook(b.d, func(ctx context.Context, tx pgx.Tx) error {
+		once.Do(func() { close(holding); <-release })
+		return nil
+	})
+	fn := dedupactivity.Wrap(b.d, b.post)
+	in := Transfer{Account: "a", Amount: 3}
+
+	var releaseOnce sync.Once
+	t.Cleanup(func() { releaseOnce.Do(func() { close(release) }) })
+	holderDone := make(chan error, 1)
+	go func() { _, err := deliver(t, "Post", fn, in); holderDone <- err }()
+	<-holding
+
+	began := time.Now()
+	_, err := deliver(t, "Post", fn, in)
+	waited := time.Since(began)
+	require.ErrorIs(t, err, dedupactivity.ErrClaimTimeout)
+	ae := appErr(t, err)
+	require.Equal(t, dedupactivity.ErrTypeClaimTimeout, ae.Type())
+	require.False(t, ae.NonRetryable(), "a claim timeout is retryable")
+	require.Less(t, waited, 10*time.Second)
+
+	releaseOnce.Do(func() { close(release) })
+	require.NoError(t, <-holderDone)
+	p, err := deliver(t, "Post", fn, in)
+	require.NoError(t, err, "the retry after the holder committed is a duplicate")
+	require.Equal(t, int64(3), p.Balance)
+	require.Equal(t, int64(1), b.effects.Load())
+}
+
+// TestFaultBetweenClaimAndEffect injects failures after the marker insert and
+// before the effect: everything rolls back and the next attempt applies the
+// effect once.
+func TestFaultBetweenClaimAndEffect(t *testing.T) {
+	t.Parallel()
+	faults := map[string]func(b *testBundle, cancel context.CancelFunc) func(ctx context.Context, tx pgx.Tx) error{
+		"HookError": func(*testBundle, context.CancelFunc) func(context.Context, pgx.Tx) error {
+			return func(context.Context, pgx.Tx) error { return errors.New("injected") }
+		},
+		"Panic": func(*testBundle, context.CancelFunc) func(context.Context, pgx.Tx) error {
+			return func(context.Context, pgx.Tx) error { panic("injected panic") }
+		},
+		"ContextCancelled": func(_ *testBundle, cancel context.CancelFunc) func(context.Context, pgx.Tx) error {
+			return func(context.Context, pgx.Tx) error { cancel(); return nil }
+		},
+		"BackendTerminated": func(b *testBundle, _ context.CancelFunc) func(context.Context, pgx.Tx) error {
+			return func(ctx context.Context, tx pgx.Tx) error {
+				_, err := b.pool.Exec(ctx, `SELECT pg_terminate_backend($1)`, tx.Conn().PgConn().PID())
+				return err
+			}
+		},
+	}
+	for name, fault := range faults {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, dedupactivity.Options{})
+			wrapped := dedupactivity.Wrap(b.d, b.post)
+			var cancel context.CancelFunc
+			// The driver calls the wrapped activity with a context the fault
+			// can cancel; it keeps the activity's values.
+			driver := func(ctx context.Context, in Transfer) (Posting, error) {
+				ctx, cancel = context.WithCancel(ctx)
+				defer cancel()
+				return wrapped(ctx, in)
+			}
+			var once sync.Once
+			dedupactivity.SetAfterClaimHook(b.d, func(ctx context.Context, tx pgx.Tx) (err error) {
+				once.Do(func() { err = fault(b, cancel)(ctx, tx) })
+				return err
+			})
+			in := Transfer{Account: "b", Amount: 7}
+			_, err := deliver(t, "Post", driver, in)
+			require.Error(t, err, "the faulted attempt fails")
+			require.Zero(t, b.markers(t), "no marker remains")
+			require.Zero(t, b.ledgerRows(t))
+			ranBefore := b.effects.Load() // the effect body may have started on a dead transaction
+
+			p, err := deliver(t, "Post", driver, in)
+			require.NoError(t, err, "the retry claims the event")
+			require.Equal(t, int64(7), p.Balance)
+			_, err = deliver(t, "Post", driver, in)
+			require.NoError(t, err)
+			require.Equal(t, int64(1), b.effects.Load()-ranBefore, "the retries applied the effect once")
+			require.Equal(t, int64(1), b.ledgerRows(t))
+			require.Equal(t, int64(1), b.markers(t))
+		})
+	}
+}
+
+func TestLostCompletion(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	wrapped := dedupactivity.Wrap(b.d, b.post)
+	lose := true
+	// The first attempt commits its effect, then fails before reporting.
+	driver := func(ctx context.Context, in Transfer) (Posting, error) {
+		p, err := wrapped(ctx, in)
+		if lose {
+			lose = false
+			return Posting{}, errors.New("worker lost before completion")
+		}
+		return p, err
+	}
+	in := Transfer{Account: "a", Amount: 11}
+	_, err := deliver(t, "Post", driver, in)
+	require.Error(t, err)
+	require.Equal(t, int64(1), b.ledgerRows(t), "the effect committed")
+
+	p, err := deliver(t, "Post", driver, in)
+	require.NoError(t, err)
+	require.Equal(t, Posting{EntryID: 1, Balance: 11}, p, "the retry returns the stored result")
+	require.Equal(t, int64(1), b.effects.Load())
+}
+
+func TestPayloadMismatch(t *testing.T) {
+	t.Parallel()
+	t.Run("RejectByDefault", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, dedupactivity.Options{})
+		fn := dedupactivity.Wrap(b.d, b.post)
+		_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
+		require.NoError(t, err)
+
+		_, err = deliver(t, "Post", fn, Transfer{Account: "a", Amount: 2})
+		require.ErrorIs(t, err, dedupactivity.ErrPayloadMismatch)
+		ae := appErr(t, err)
+		require.Equal(t, dedupactivity.ErrTypePayloadMismatch, ae.Type())
+		require.True(t, ae.NonRetryable())
+		require.Equal(t, int64(1), b.count(t, `SELECT balance FROM account WHERE id = 'a'`), "stored effect untouched")
+		require.Equal(t, int64(1), b.effects.Load())
+	})
+	t.Run("ReturnStored", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, dedupactivity.Options{MismatchPolicy: dedupactivity.MismatchReturnStored})
+		fn := dedupactivity.Wrap(b.d, b.post)
+		first, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
+		require.NoError(t, err)
+		second, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 2})
+		require.NoError(t, err)
+		require.Equal(t, first, second)
+		require.Equal(t, int64(1), b.effects.Load())
+	})
+}
+
+func TestEffectErrorRollsBack(t *testing.T) {
+	t.Parallel()
+	cases := map[string]error{
+		"Retryable":    errors.New("plain failure"),
+		"NonRetryable": temporal.NewNonRetryableApplicationError("bad transfer", "BadTransfer", nil),
+	}
+	for name, effectErr := range cases {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, dedupactivity.Options{})
+			fn := dedupactivity.Wrap(b.d, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+				if _, err := b.post(ctx, tx, in); err != nil {
+					return Posting{}, err
+				}
+				return Posting{}, effectErr // after writing: the writes must roll back
+			})
+			_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 4})
+			require.Equal(t, effectErr, err, "the effect's error reaches Temporal unchanged")
+			require.Zero(t, b.markers(t))
+			require.Zero(t, b.ledgerRows(t))
+			require.Zero(t, b.count(t, `SELECT balance FROM account WHERE id = 'a'`))
+		})
+	}
+}
+
+func TestBusinessKey(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	key := dedupactivity.WithBusinessKey(func(in Transfer) (string, error) { return "order-" + in.Account, nil })
+	fn := dedupactivity.Wrap(b.d, b.post, key)
+
+	// Two different workflow runs deliver the same business event.
+	run := func(workflowID string) (Posting, error) {
+		var s testsuite.WorkflowTestSuite
+		env := s.NewTestWorkflowEnvironment()
+		env.RegisterActivityWithOptions(fn, activity.RegisterOptions{Name: "Post"})
+		env.SetStartWorkflowOptions(clientStartOptions(workflowID))
+		env.ExecuteWorkflow(postWorkflow, Transfer{Account: "a", Amount: 9})
+		require.True(t, env.IsWorkflowCompleted())
+		var p Posting
+		if err := env.GetWorkflowError(); err != nil {
+			return p, err
+		}
+		require.NoError(t, env.GetWorkflowResult(&p))
+		return p, nil
+	}
+	p1, err := run("wf-1")
+	require.NoError(t, err)
+	p2, err := run("wf-2")
+	require.NoError(t, err)
+	require.Equal(t, p1, p2)
+	require.Equal(t, int64(1), b.effects.Load())
+
+	// The same key under another activity type is another event.
+	_, err = deliver(t, "PostAgain", fn, Transfer{Account: "a", Amount: 9})
+	require.NoError(t, err)
+	require.Equal(t, int64(2), b.effects.Load())
+
+	// An empty key is refused before anything is written.
+	empty := dedupactivity.Wrap(b.d, b.post, dedupactivity.WithBusinessKey(func(Transfer) (string, error) { return "", nil }))
+	_, err = deliver(t, "Empty", empty, Transfer{Account: "b", Amount: 1})
+	require.ErrorIs(t, err, dedupactivity.ErrEmptyBusinessKey)
+	require.True(t, appErr(t, err).NonRetryable())
+	require.Equal(t, int64(2), b.markers(t))
+
+	// A key function for another input type is refused.
+	wrong := dedupactivity.Wrap(b.d, b.post, dedupactivity.WithBusinessKey(func(string) (string, error) { return "k", nil }))
+	_, err = deliver(t, "Wrong", wrong, Transfer{Account: "b", Amount: 1})
+	require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions)
+}
+
+func TestStoredResultsUseDataConverter(t *testing.T) {
+	t.Parallel()
+	dc := newXORConverter()
+	b := setup(t, dedupactivity.Options{DataConverter: dc})
+	fn := dedupactivity.Wrap(b.d, b.post)
+	first, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 12})
+	require.NoError(t, err)
+
+	var raw []byte
+	require.NoError(t, b.pool.QueryRow(context.Background(), `SELECT result FROM dedup_marker`).Scan(&raw))
+	require.Contains(t, string(raw), xorEncoding, "the codec's encoding is stored")
+	require.NotContains(t, string(raw), `"Balance"`, "the plain JSON is not stored")
+
+	second, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 12})
+	require.NoError(t, err)
+	require.Equal(t, first, second)
+}
+
+func TestDiscardResults(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{DiscardResults: true})
+	fn := dedupactivity.Wrap(b.d, b.post)
+	first, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 2})
+	require.NoError(t, err)
+	require.Equal(t, int64(2), first.Balance)
+	second, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 2})
+	require.NoError(t, err)
+	require.Zero(t, second, "a duplicate returns the zero value when results are not stored")
+	require.Zero(t, b.count(t, `SELECT count(*) FROM dedup_marker WHERE result IS NOT NULL`))
+}
+
+func TestResultTooLarge(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{MaxResultBytes: 64})
+	fn := dedupactivity.Wrap(b.d, func(ctx context.Context, tx pgx.Tx, in Transfer) (string, error) {
+		if _, err := b.post(ctx, tx, in); err != nil {
+			return "", err
+		}
+		return string(make([]byte, 100)), nil
+	})
+	_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
+	require.ErrorIs(t, err, dedupactivity.ErrResultTooLarge)
+	ae := appErr(t, err)
+	require.Equal(t, dedupactivity.ErrTypeResultTooLarge, ae.Type())
+	require.True(t, ae.NonRetryable())
+	require.Zero(t, b.markers(t))
+	require.Zero(t, b.ledgerRows(t))
+}

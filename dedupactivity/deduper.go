@@ -1,0 +1,105 @@
+package dedupactivity
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// Deduper stores event markers in a PostgreSQL table and applies effects at
+// most once per event identity. It is safe for concurrent use; build one per
+// worker process and share it between wrapped activities.
+type Deduper struct {
+	pool  *pgxpool.Pool
+	opts  Options
+	table string // schema-qualified, quoted table name
+	q     queries
+	tel   *telemetry
+
+	// afterClaim, when set (tests only), runs after the marker insert and
+	// before the effect, inside the claim transaction.
+	afterClaim func(ctx context.Context, tx pgx.Tx) error
+}
+
+// New returns a Deduper storing its markers through pool. opts is checked;
+// an error names the field at fault and wraps ErrInvalidOptions.
+func New(pool *pgxpool.Pool, opts Options) (*Deduper, error) {
+	if pool == nil {
+		return nil, fmt.Errorf("%w: pool is nil", ErrInvalidOptions)
+	}
+	opts = opts.withDefaults()
+	if err := opts.validate(); err != nil {
+		return nil, err
+	}
+	tel, err := newTelemetry(opts.TracerProvider, opts.MeterProvider)
+	if err != nil {
+		return nil, fmt.Errorf("dedupactivity: telemetry: %w", err)
+	}
+	table := pgx.Identifier{opts.Table}.Sanitize()
+	if opts.Schema != "" {
+		table = pgx.Identifier{opts.Schema, opts.Table}.Sanitize()
+	}
+	return &Deduper{pool: pool, opts: opts, table: table, q: newQueries(table), tel: tel}, nil
+}
+
+// Options returns the Deduper's options with defaults filled in.
+func (d *Deduper) Options() Options { return d.opts }
+
+// PruneBatchSize is how many expired markers one Prune statement deletes.
+// Small batches keep each delete's locks and WAL short, so concurrent claims
+// are not held up.
+const PruneBatchSize = 1000
+
+// Prune deletes expired markers (expires_at in the past) in batches of
+// PruneBatchSize, each in its own short transaction, until none are left or
+// ctx is done. Rows locked by a concurrent pruner are skipped, so it is safe
+// to run from many workers at once. It returns how many markers it deleted.
+func (d *Deduper) Prune(ctx context.Context) (int64, error) {
+	var deleted int64
+	for {
+		tag, err := d.pool.Exec(ctx, d.q.prune, PruneBatchSize)
+		if err != nil {
+			return deleted, fmt.Errorf("dedupactivity: prune: %w", translate(err))
+		}
+		deleted += tag.RowsAffected()
+		if tag.RowsAffected() < PruneBatchSize {
+			return deleted, nil
+		}
+	}
+}
+
+// queries holds the SQL with the table name filled in once.
+type queries struct {
+	insert, selectStored, storeResult, prune string
+}
+
+func newQueries(table string) queries {
+	return queries{
+		insert: `INSERT INTO ` + table + ` (id_hash, identity, activity_type, fingerprint, fingerprint_alg, attempt, expires_at)
+VALUES ($1, $2, $3, $4, $5, $6, GREATEST(now() + make_interval(secs => $7), $8))
+ON CONFLICT (id_hash) DO NOTHING
+RETURNING true`,
+		selectStored: `SELECT fingerprint, fingerprint_alg, result, attempt FROM ` + table + ` WHERE id_hash = $1`,
+		storeResult:  `UPDATE ` + table + ` SET result = $2 WHERE id_hash = $1`,
+		prune: `DELETE FROM ` + table + ` WHERE id_hash = ANY (ARRAY(
+	SELECT id_hash FROM ` + table + ` WHERE expires_at < now()
+	ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED))`,
+	}
+}
+
+// translate turns PostgreSQL errors this package knows into its own.
+func translate(err error) error {
+	var pgErr interface{ SQLState() string }
+	if errors.As(err, &pgErr) {
+		switch pgErr.SQLState() {
+		case "42P01": // undefined_table
+			return fmt.Errorf("%w: %w", ErrNotMigrated, err)
+		case "55P03": // lock_not_available: lock_timeout expired
+			return fmt.Errorf("%w: %w", ErrClaimTimeout, err)
+		}
+	}
+	return err
+}

@@ -1,0 +1,66 @@
+// Package dedupactivity makes duplicate delivery harmless for Temporal
+// activities whose effect is a write to PostgreSQL.
+//
+// Temporal runs activities at least once: a worker can commit its database
+// write and die before it reports completion, and a timed-out attempt can
+// still be running while its retry starts elsewhere. A wrapped activity
+// claims the event's identity and applies its effect in one PostgreSQL
+// transaction, so the effect commits exactly once per identity, and every
+// later delivery returns the first attempt's stored result.
+//
+// # The guarantee
+//
+// For each event identity, the effect's writes commit at most once, together
+// with a marker row; a delivery that finds the marker applies nothing and
+// returns the stored result. If anything fails before the commit (the effect
+// errors or panics, the context is cancelled, the connection dies), nothing
+// commits, the marker included, and the retry applies the effect.
+//
+// The effect must do all its database writes through the pgx.Tx it is given.
+// Nothing outside that transaction is covered: an email, a payment or an
+// HTTP call made from the effect can happen more than once. For those, write
+// an outbox row through tx and deliver it from a separate process with a key
+// the destination deduplicates on (an idempotency key).
+//
+// # Identity
+//
+// By default the identity is the workflow run's namespace, workflow ID, run
+// ID and activity ID, with a kind that separates local activities (which
+// count their IDs separately) and standalone activities (no workflow; their
+// activity run ID is used). Retries of one scheduled activity share the
+// identity; continue-as-new, workflow retry, cron and reset start a new run
+// whose activities are new events. WithBusinessKey uses a key of your own
+// instead (an order ID), scoped by namespace and activity type, so the
+// effect happens once per key across runs.
+//
+// Same identity, different input: the default MismatchReject fails the
+// attempt with a non-retryable ApplicationError of type
+// ErrTypePayloadMismatch; MismatchReturnStored returns the stored result.
+//
+// # Example
+//
+//	d, err := dedupactivity.New(pool, dedupactivity.Options{})
+//	if err != nil {
+//		return err
+//	}
+//	if err := d.Migrate(ctx); err != nil {
+//		return err
+//	}
+//	dedupactivity.Register(w, d, "Debit",
+//		func(ctx context.Context, tx pgx.Tx, in Debit) (Receipt, error) {
+//			var r Receipt
+//			err := tx.QueryRow(ctx,
+//				`UPDATE account SET balance = balance - $2 WHERE id = $1 RETURNING balance`,
+//				in.Account, in.Amount).Scan(&r.Balance)
+//			return r, err
+//		})
+//
+// # Observability
+//
+// Every attempt gets a span named "Dedup:<activity type>" (a child of the
+// Temporal interceptor's RunActivity span when installed) whose OutcomeKey
+// attribute says claimed, duplicate, payload_mismatch, effect_error,
+// claim_timeout or error, and the counter MetricAttempts and histograms
+// MetricClaimDuration and MetricEffectDuration. Span status is Error only for
+// failures: a duplicate is a normal outcome.
+package dedupactivity

@@ -1,0 +1,70 @@
+package dedupactivity
+
+import "errors"
+
+// Sentinel errors. Every error returned by this package that has one of these
+// causes matches it with errors.Is, also after it has been converted to a
+// Temporal ApplicationError at the activity edge.
+var (
+	// ErrPayloadMismatch is returned when an event identity that was already
+	// claimed is delivered again with a different input and the Deduper's
+	// MismatchPolicy is MismatchReject (the default). The stored effect is
+	// left untouched. At the activity edge it becomes a non-retryable
+	// ApplicationError of type ErrTypePayloadMismatch.
+	ErrPayloadMismatch = errors.New("dedupactivity: same event identity delivered with a different payload")
+
+	// ErrClaimTimeout is returned when another attempt holds the same event
+	// (its transaction is still open) for longer than Options.ClaimWait. At the
+	// activity edge it becomes a retryable ApplicationError of type
+	// ErrTypeClaimTimeout, so Temporal tries again later.
+	ErrClaimTimeout = errors.New("dedupactivity: another attempt holds the event past the claim wait bound")
+
+	// ErrNotActivity is returned when a wrapped function is called with a
+	// context that is not a Temporal activity context.
+	ErrNotActivity = errors.New("dedupactivity: not called from a Temporal activity context")
+
+	// ErrEmptyBusinessKey is returned when a business key function (see
+	// WithBusinessKey) returns an empty key.
+	ErrEmptyBusinessKey = errors.New("dedupactivity: empty business key")
+
+	// ErrIdentityTooLarge is returned when an event identity encodes to more
+	// than MaxIdentityBytes.
+	ErrIdentityTooLarge = errors.New("dedupactivity: event identity too large")
+
+	// ErrResultTooLarge is returned when an effect's encoded result exceeds
+	// Options.MaxResultBytes. The effect is rolled back.
+	ErrResultTooLarge = errors.New("dedupactivity: encoded result too large to store")
+
+	// ErrEncoding is returned when the data converter cannot encode an input
+	// or a result, or cannot decode a stored result.
+	ErrEncoding = errors.New("dedupactivity: payload encoding failed")
+
+	// ErrNotMigrated is returned when the marker table does not exist: run
+	// Deduper.Migrate (or apply the files in migrations/) first.
+	ErrNotMigrated = errors.New("dedupactivity: marker table missing (run Migrate)")
+
+	// ErrInvalidOptions is returned (wrapped, naming the field) by New and
+	// by wrapped activities built with invalid options.
+	ErrInvalidOptions = errors.New("dedupactivity: invalid options")
+)
+
+// Temporal ApplicationError types used at the activity edge. Workflows can
+// match them with temporal.ApplicationError.Type() or list them in
+// RetryPolicy.NonRetryableErrorTypes.
+const (
+	// ErrTypePayloadMismatch marks a rejected payload mismatch (non-retryable).
+	ErrTypePayloadMismatch = "DedupPayloadMismatch"
+	// ErrTypeClaimTimeout marks an attempt that gave up waiting for another
+	// attempt of the same event (retryable).
+	ErrTypeClaimTimeout = "DedupClaimTimeout"
+	// ErrTypeInvalidUsage marks a call that can never succeed as made: not an
+	// activity context, an empty or too large identity, invalid options
+	// (non-retryable).
+	ErrTypeInvalidUsage = "DedupInvalidUsage"
+	// ErrTypeResultTooLarge marks a result over Options.MaxResultBytes
+	// (non-retryable).
+	ErrTypeResultTooLarge = "DedupResultTooLarge"
+	// ErrTypeEncoding marks a value the data converter cannot encode or decode
+	// (non-retryable).
+	ErrTypeEncoding = "DedupEncoding"
+)

@@ -1,0 +1,16 @@
+package dedupactivity
+
+import (
+	"context"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// SetAfterClaimHook installs a hook that runs after the marker insert and
+// before the effect, inside the claim transaction.
+func SetAfterClaimHook(d *Deduper, hook func(ctx context.Context, tx pgx.Tx) error) {
+	d.afterClaim = hook
+}
+
+// Fingerprint exposes the input fingerprint for tests.
+func Fingerprint(in any) ([]byte, error) { return fingerprint(in) }

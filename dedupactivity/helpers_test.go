@@ -1,0 +1,103 @@
+package dedupactivity_test
+
+import (
+	"context"
+	"sync/atomic"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+	"go.temporal.io/sdk/activity"
+	"go.temporal.io/sdk/testsuite"
+
+	"github.com/dedupactivity/dedupactivity/dedupactivity"
+	"github.com/dedupactivity/dedupactivity/internal/pgtest"
+)
+
+// Transfer is the test effect's input: post Amount to Account.
+type Transfer struct {
+	Account string
+	Amount  int64
+}
+
+// Posting is the test effect's result.
+type Posting struct {
+	EntryID int64
+	Balance int64
+}
+
+type testBundle struct {
+	schema  *pgtest.Schema
+	pool    *pgxpool.Pool
+	d       *dedupactivity.Deduper
+	effects atomic.Int64 // how many times the effect body ran
+}
+
+// setup gives the test its own schema with a migrated marker table and a
+// small ledger.
+func setup(t *testing.T, opts dedupactivity.Options) *testBundle {
+	t.Helper()
+	s := pgtest.NewSchema(t)
+	ctx := context.Background()
+	d, err := dedupactivity.New(s.Pool, opts)
+	require.NoError(t, err)
+	require.NoError(t, d.Migrate(ctx))
+	_, err = s.Pool.Exec(ctx, `
+CREATE TABLE account (id text PRIMARY KEY, balance bigint NOT NULL DEFAULT 0);
+CREATE TABLE ledger (id bigserial PRIMARY KEY, account text NOT NULL, amount bigint NOT NULL);
+INSERT INTO account (id) VALUES ('a'), ('b');`)
+	require.NoError(t, err)
+	return &testBundle{schema: s, pool: s.Pool, d: d}
+}
+
+// post is the effect: one ledger row and a balance update, through tx.
+func (b *testBundle) post(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+	b.effects.Add(1)
+	var p Posting
+	if err := tx.QueryRow(ctx, `INSERT INTO ledger (account, amount) VALUES ($1, $2) RETURNING id`, in.Account, in.Amount).Scan(&p.EntryID); err != nil {
+		return p, err
+	}
+	err := tx.QueryRow(ctx, `UPDATE account SET balance = balance + $2 WHERE id = $1 RETURNING balance`, in.Account, in.Amount).Scan(&p.Balance)
+	return p, err
+}
+
+func (b *testBundle) count(t *testing.T, query string, args ...any) int64 {
+	t.Helper()
+	var n int64
+	require.NoError(t, b.pool.QueryRow(context.Background(), query, args...).Scan(&n))
+	return n
+}
+
+func (b *testBundle) ledgerRows(t *testing.T) int64 { return b.count(t, `SELECT count(*) FROM ledger`) }
+func (b *testBundle) markers(t *testing.T) int64 {
+	return b.count(t, `SELECT count(*) FROM dedup_marker`)
+}
+
+// deliver runs fn as activity name in a new test activity environment. Every
+// new environment has the same workflow ID, run ID and first activity ID, so
+// each call is a delivery of the same event. It returns the error exactly as
+// the activity function returned it to the SDK (so errors.Is sees sentinels),
+// or, if the function panicked, the SDK's error.
+func deliver[In, Out any](t *testing.T, name string, fn func(context.Context, In) (Out, error), in In) (Out, error) {
+	t.Helper()
+	var raw error
+	driver := func(ctx context.Context, in In) (Out, error) {
+		out, err := fn(ctx, in)
+		raw = err
+		return out, err
+	}
+	var s testsuite.WorkflowTestSuite
+	env := s.NewTestActivityEnvironment()
+	env.RegisterActivityWithOptions(driver, activity.RegisterOptions{Name: name})
+	var out Out
+	val, err := env.ExecuteActivity(name, in)
+	if err != nil {
+		if raw != nil {
+			return out, raw
+		}
+		return out, err
+	}
+	require.NoError(t, val.Get(&out))
+	return out, nil
+}

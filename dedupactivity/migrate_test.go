@@ -1,0 +1,128 @@
+package dedupactivity_test
+
+import (
+	"context"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/dedupactivity/dedupactivity/dedupactivity"
+	"github.com/dedupactivity/dedupactivity/internal/pgtest"
+)
+
+func TestMigrateIsIdempotentAndConcurrent(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t)
+	ctx := context.Background()
+	d, err := dedupactivity.New(s.Pool, dedupactivity.Options{Schema: s.Name + "_own", Table: "markers"})
+	require.NoError(t, err)
+	t.Cleanup(func() { _, _ = s.Pool.Exec(context.Background(), `DROP SCHEMA IF EXISTS `+s.Name+`_own CASCADE`) })
+
+	var wg sync.WaitGroup
+	errs := make(chan error, 8)
+	for range 8 {
+		wg.Add(1)
+		go func() { defer wg.Done(); errs <- d.Migrate(ctx) }()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		require.NoError(t, err)
+	}
+	require.NoError(t, d.Migrate(ctx))
+
+	var versions int
+	require.NoError(t, s.Pool.QueryRow(ctx, `SELECT count(*) FROM `+s.Name+`_own.markers_migration`).Scan(&versions))
+	migs, err := dedupactivity.Migrations()
+	require.NoError(t, err)
+	require.Equal(t, len(migs), versions)
+
+	// The configured table and its index exist in the configured schema.
+	var idx int
+	require.NoError(t, s.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_indexes WHERE schemaname = $1 AND tablename = 'markers'`, s.Name+"_own").Scan(&idx))
+	require.GreaterOrEqual(t, idx, 2)
+}
+
+func TestMigrationFilesWorkAsTheyAre(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t)
+	ctx := context.Background()
+	migs, err := dedupactivity.Migrations()
+	require.NoError(t, err)
+	require.NotEmpty(t, migs)
+	for _, m := range migs {
+		require.Contains(t, m.Up, "dedup_marker")
+		_, err := s.Pool.Exec(ctx, m.Up)
+		require.NoError(t, err, "up %d", m.Version)
+	}
+	for i := len(migs) - 1; i >= 0; i-- {
+		_, err := s.Pool.Exec(ctx, migs[i].Down)
+		require.NoError(t, err, "down %d", migs[i].Version)
+	}
+	var n int
+	require.NoError(t, s.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_tables WHERE schemaname = $1`, s.Name).Scan(&n))
+	require.Zero(t, n, "down migrations remove everything")
+}
+
+func TestPrune(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	ctx := context.Background()
+	fn := dedupactivity.Wrap(b.d, b.post)
+	in := Transfer{Account: "a", Amount: 1}
+	_, err := deliver(t, "Post", fn, in)
+	require.NoError(t, err)
+
+	// Unexpired markers stay.
+	n, err := b.d.Prune(ctx)
+	require.NoError(t, err)
+	require.Zero(t, n)
+	_, err = deliver(t, "Post", fn, in)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), b.effects.Load())
+
+	// Expired markers go, and the event can be claimed again.
+	_, err = b.pool.Exec(ctx, `UPDATE dedup_marker SET expires_at = now() - interval '1 second'`)
+	require.NoError(t, err)
+	n, err = b.d.Prune(ctx)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), n)
+	_, err = deliver(t, "Post", fn, in)
+	require.NoError(t, err)
+	require.Equal(t, int64(2), b.effects.Load())
+}
+
+func TestPruneBatchesAndRetentionBound(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{Retention: time.Minute})
+	ctx := context.Background()
+	// 2,500 expired markers and 10 live ones.
+	_, err := b.pool.Exec(ctx, `
+INSERT INTO dedup_marker (id_hash, identity, activity_type, fingerprint, fingerprint_alg, attempt, expires_at)
+SELECT sha256(int4send(g)), int4send(g), 'T', '\x00', 1, 1,
+       CASE WHEN g <= 2500 THEN now() - interval '1 hour' ELSE now() + interval '1 hour' END
+FROM generate_series(1, 2510) g`)
+	require.NoError(t, err)
+	n, err := b.d.Prune(ctx)
+	require.NoError(t, err)
+	require.Equal(t, int64(2500), n)
+	require.Equal(t, int64(10), b.markers(t))
+
+	// A new marker is kept past the activity's ScheduleToClose bound (10
+	// minutes in the test environment) when that is longer than Retention.
+	fn := dedupactivity.Wrap(b.d, b.post)
+	_, err = deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
+	require.NoError(t, err)
+	var ttl time.Duration
+	require.NoError(t, b.pool.QueryRow(ctx, `SELECT expires_at - claimed_at FROM dedup_marker WHERE activity_type = 'Post'`).Scan(&ttl))
+	require.InDelta(t, (10 * time.Minute).Seconds(), ttl.Seconds(), 5)
+
+	long := dedupactivity.Wrap(b.d, b.post, dedupactivity.WithRetention(48*time.Hour),
+		dedupactivity.WithBusinessKey(func(in Transfer) (string, error) { return in.Account, nil }))
+	_, err = deliver(t, "Long", long, Transfer{Account: "b", Amount: 1})
+	require.NoError(t, err)
+	require.NoError(t, b.pool.QueryRow(ctx, `SELECT expires_at - claimed_at FROM dedup_marker WHERE activity_type = 'Long'`).Scan(&ttl))
+	require.InDelta(t, (48 * time.Hour).Seconds(), ttl.Seconds(), 5)
+}

@@ -1,0 +1,180 @@
+package dedupactivity
+
+import (
+	"fmt"
+	"regexp"
+	"time"
+
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
+	"go.temporal.io/sdk/converter"
+)
+
+// Defaults for Options fields left at their zero value.
+const (
+	// DefaultTable is the marker table's name.
+	DefaultTable = "dedup_marker"
+	// DefaultClaimWait bounds how long an attempt waits for another attempt
+	// that holds the same event.
+	DefaultClaimWait = 10 * time.Second
+	// DefaultRetention is how long a marker is kept at least.
+	DefaultRetention = 30 * 24 * time.Hour
+	// DefaultMaxResultBytes is the largest encoded result stored: Temporal's
+	// default payload size limit (2 MiB).
+	DefaultMaxResultBytes = 2 << 20
+	// MaxIdentityBytes is the largest encoded event identity accepted.
+	MaxIdentityBytes = 64 << 10
+)
+
+// MismatchPolicy decides what a duplicate delivery with a different input
+// does. The input is compared by fingerprint (see Options).
+type MismatchPolicy int
+
+const (
+	// MismatchReject fails the attempt with a non-retryable ApplicationError
+	// of type ErrTypePayloadMismatch wrapping ErrPayloadMismatch. The stored
+	// effect is untouched. This is the default: a different payload under the
+	// same identity is a bug (a non-deterministic input, or a business key
+	// reused for another operation) that should surface.
+	MismatchReject MismatchPolicy = iota
+	// MismatchReturnStored treats the delivery as a duplicate: it returns
+	// the first attempt's stored result. The span still records the outcome
+	// payload_mismatch.
+	MismatchReturnStored
+)
+
+func (p MismatchPolicy) String() string {
+	switch p {
+	case MismatchReject:
+		return "reject"
+	case MismatchReturnStored:
+		return "return_stored"
+	default:
+		return fmt.Sprintf("MismatchPolicy(%d)", int(p))
+	}
+}
+
+// Options configure a Deduper. The zero value is valid: every field has a
+// documented default.
+type Options struct {
+	// Schema is the PostgreSQL schema holding the marker table. It must be a
+	// plain lower-case identifier ([a-z_][a-z0-9_]*, at most 63 bytes).
+	// Migrate creates it if missing.
+	//
+	// Defaults to "": the table is unqualified and found through the
+	// connection's search_path.
+	Schema string
+
+	// Table is the marker table's name, a plain lower-case identifier
+	// ([a-z_][a-z0-9_]*, at most 40 bytes so derived index names fit).
+	// Give each independent user (or each test) its own table or schema:
+	// markers in one table deduplicate against each other.
+	//
+	// Defaults to DefaultTable ("dedup_marker").
+	Table string
+
+	// DataConverter encodes the results stored for duplicates, and decodes
+	// them. Use the same converter as the worker so a payload codec (for
+	// example encryption) applies to stored results too.
+	//
+	// Defaults to converter.GetDefaultDataConverter().
+	DataConverter converter.DataConverter
+
+	// MismatchPolicy decides what a duplicate with a different input does.
+	//
+	// Defaults to MismatchReject.
+	MismatchPolicy MismatchPolicy
+
+	// ClaimWait bounds how long an attempt waits for another attempt whose
+	// transaction holds the same event. After it, the attempt fails with a
+	// retryable ErrClaimTimeout error and Temporal retries it later. The wait
+	// is also cut short by the activity's own deadline.
+	//
+	// Defaults to DefaultClaimWait (10s).
+	ClaimWait time.Duration
+
+	// Retention is the least time a marker is kept. A marker is never
+	// expired before its activity's ScheduleToClose bound (when the activity
+	// has one), whichever is later. Set it above the longest time your
+	// workflows may redeliver an activity.
+	//
+	// Defaults to DefaultRetention (30 days).
+	Retention time.Duration
+
+	// DiscardResults makes the Deduper store no results: a duplicate
+	// delivery then returns the zero value of the activity's result type.
+	// Use it when results hold data you do not want at rest in the marker
+	// table.
+	//
+	// Defaults to false (results are stored).
+	DiscardResults bool
+
+	// MaxResultBytes is the largest encoded result stored. A larger result
+	// fails the attempt (non-retryable) and rolls the effect back.
+	//
+	// Defaults to DefaultMaxResultBytes (2 MiB).
+	MaxResultBytes int
+
+	// TracerProvider creates the tracer for the span of every attempt.
+	//
+	// Defaults to otel.GetTracerProvider().
+	TracerProvider trace.TracerProvider
+
+	// MeterProvider creates the meter for the attempt counter and the
+	// latency histograms.
+	//
+	// Defaults to otel.GetMeterProvider().
+	MeterProvider metric.MeterProvider
+}
+
+var identRE = regexp.MustCompile(`^[a-z_][a-z0-9_]*$`)
+
+// withDefaults returns a copy of o with zero fields set to their defaults.
+func (o Options) withDefaults() Options {
+	if o.Table == "" {
+		o.Table = DefaultTable
+	}
+	if o.DataConverter == nil {
+		o.DataConverter = converter.GetDefaultDataConverter()
+	}
+	if o.ClaimWait == 0 {
+		o.ClaimWait = DefaultClaimWait
+	}
+	if o.Retention == 0 {
+		o.Retention = DefaultRetention
+	}
+	if o.MaxResultBytes == 0 {
+		o.MaxResultBytes = DefaultMaxResultBytes
+	}
+	if o.TracerProvider == nil {
+		o.TracerProvider = otel.GetTracerProvider()
+	}
+	if o.MeterProvider == nil {
+		o.MeterProvider = otel.GetMeterProvider()
+	}
+	return o
+}
+
+// validate checks o after withDefaults; its errors name the bad field.
+func (o Options) validate() error {
+	if o.Schema != "" && (len(o.Schema) > 63 || !identRE.MatchString(o.Schema)) {
+		return fmt.Errorf("%w: Schema %q must match [a-z_][a-z0-9_]* and be at most 63 bytes", ErrInvalidOptions, o.Schema)
+	}
+	if len(o.Table) > 40 || !identRE.MatchString(o.Table) {
+		return fmt.Errorf("%w: Table %q must match [a-z_][a-z0-9_]* and be at most 40 bytes", ErrInvalidOptions, o.Table)
+	}
+	if o.MismatchPolicy != MismatchReject && o.MismatchPolicy != MismatchReturnStored {
+		return fmt.Errorf("%w: MismatchPolicy %d is not a known policy", ErrInvalidOptions, int(o.MismatchPolicy))
+	}
+	if o.ClaimWait < time.Millisecond {
+		return fmt.Errorf("%w: ClaimWait must be at least 1ms, got %s", ErrInvalidOptions, o.ClaimWait)
+	}
+	if o.Retention < time.Minute {
+		return fmt.Errorf("%w: Retention must be at least 1m, got %s", ErrInvalidOptions, o.Retention)
+	}
+	if o.MaxResultBytes < 0 {
+		return fmt.Errorf("%w: MaxResultBytes must not be negative, got %d", ErrInvalidOptions, o.MaxResultBytes)
+	}
+	return nil
+}

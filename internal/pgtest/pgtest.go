@@ -1,0 +1,360 @@
+// Package pgtest gives tests a real PostgreSQL server and a schema of their own.
+//
+// The server is found in this order:
+//
+//  1. TEST_DATABASE_URL, if set;
+//  2. a throwaway cluster started from the local PostgreSQL binaries (initdb and
+//     pg_ctl on a free port in a temporary directory; as root they run as the
+//     postgres user);
+//  3. testcontainers-go's Postgres module, when a Docker engine answers;
+//  4. otherwise the test fails when CI=true and is skipped with a message
+//     elsewhere.
+//
+// One server is started per test process; call [Main] from TestMain so it is
+// shut down when the tests end.
+package pgtest
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"os/user"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	tcpostgres "github.com/testcontainers/testcontainers-go/modules/postgres"
+)
+
+var (
+	once     sync.Once
+	server   *Server
+	startErr error
+)
+
+// Server is a running PostgreSQL server.
+type Server struct {
+	// URL connects to the server as a superuser.
+	URL string
+	// Source says where the server came from: "TEST_DATABASE_URL", "local
+	// binaries" or "testcontainers".
+	Source string
+
+	stop func() error
+}
+
+// Stop shuts the server down if this process started it.
+func (s *Server) Stop() error {
+	if s == nil || s.stop == nil {
+		return nil
+	}
+	return s.stop()
+}
+
+// Main runs the tests and then stops the server started for them. Use it from
+// TestMain: func TestMain(m *testing.M) { pgtest.Main(m) }.
+func Main(m *testing.M) {
+	code := m.Run()
+	if server != nil {
+		if err := server.Stop(); err != nil {
+			fmt.Fprintf(os.Stderr, "pgtest: stopping server: %v\n", err)
+		}
+	}
+	os.Exit(code)
+}
+
+// Start returns the process-wide server, starting it on first use.
+func Start() (*Server, error) {
+	once.Do(func() { server, startErr = start() })
+	return server, startErr
+}
+
+// RequireServer returns the server or ends the test: it fails under CI=true
+// and is skipped elsewhere, with the reason.
+func RequireServer(tb testing.TB) *Server {
+	tb.Helper()
+	s, err := Start()
+	if err != nil {
+		if os.Getenv("CI") == "true" {
+			tb.Fatalf("pgtest: no PostgreSQL server (required under CI=true): %v", err)
+		}
+		tb.Skipf("pgtest: no PostgreSQL server, skipping (set TEST_DATABASE_URL, install PostgreSQL binaries, or run Docker): %v", err)
+	}
+	return s
+}
+
+// Schema is a schema created for one test, dropped when the test ends.
+type Schema struct {
+	// Name of the schema.
+	Name string
+	// Pool is a pool whose connections have search_path set to Name.
+	Pool *pgxpool.Pool
+	// URL connects with search_path set to Name.
+	URL string
+}
+
+// NewSchema creates a fresh schema on the server and a pool bound to it.
+func NewSchema(tb testing.TB) *Schema {
+	tb.Helper()
+	s := RequireServer(tb)
+	ctx := context.Background()
+
+	name := "t_" + randomHex(6)
+	conn, err := pgx.Connect(ctx, s.URL)
+	if err != nil {
+		tb.Fatalf("pgtest: connect: %v", err)
+	}
+	defer conn.Close(ctx)
+	if _, err := conn.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{name}.Sanitize()); err != nil {
+		tb.Fatalf("pgtest: create schema: %v", err)
+	}
+
+	url, err := WithSearchPath(s.URL, name)
+	if err != nil {
+		tb.Fatalf("pgtest: %v", err)
+	}
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		tb.Fatalf("pgtest: parse url: %v", err)
+	}
+	cfg.MaxConns = 40
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		tb.Fatalf("pgtest: pool: %v", err)
+	}
+	tb.Cleanup(func() {
+		pool.Close()
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		conn, err := pgx.Connect(ctx, s.URL)
+		if err != nil {
+			tb.Errorf("pgtest: cleanup connect: %v", err)
+			return
+		}
+		defer conn.Close(ctx)
+		if _, err := conn.Exec(ctx, "DROP SCHEMA "+pgx.Identifier{name}.Sanitize()+" CASCADE"); err != nil {
+			tb.Errorf("pgtest: drop schema %s: %v", name, err)
+		}
+	})
+	return &Schema{Name: name, Pool: pool, URL: url}
+}
+
+// WithSearchPath returns url (a postgres:// URL or a key=value DSN) with its
+// search_path set to schema.
+func WithSearchPath(url, schema string) (string, error) {
+	if _, err := pgx.ParseConfig(url); err != nil {
+		return "", fmt.Errorf("parse url: %w", err)
+	}
+	if !strings.HasPrefix(url, "postgres://") && !strings.HasPrefix(url, "postgresql://") {
+		return url + " search_path=" + schema, nil
+	}
+	sep := "?"
+	if strings.Contains(url, "?") {
+		sep = "&"
+	}
+	return url + sep + "search_path=" + schema, nil
+}
+
+func start() (*Server, error) {
+	if url := os.Getenv("TEST_DATABASE_URL"); url != "" {
+		return &Server{URL: url, Source: "TEST_DATABASE_URL"}, nil
+	}
+	var errs []error
+	s, err := startLocal()
+	if err == nil {
+		return s, nil
+	}
+	errs = append(errs, fmt.Errorf("local binaries: %w", err))
+	s, err = startContainer()
+	if err == nil {
+		return s, nil
+	}
+	errs = append(errs, fmt.Errorf("testcontainers: %w", err))
+	return nil, errors.Join(errs...)
+}
+
+// BinDir finds the directory holding initdb and pg_ctl: PG_BINDIR if set,
+// then PATH, then the newest /usr/lib/postgresql/*/bin.
+func BinDir() (string, error) {
+	if d := os.Getenv("PG_BINDIR"); d != "" {
+		return d, nil
+	}
+	if p, err := exec.LookPath("initdb"); err == nil {
+		return filepath.Dir(p), nil
+	}
+	matches, _ := filepath.Glob("/usr/lib/postgresql/*/bin/initdb")
+	if len(matches) == 0 {
+		return "", errors.New("initdb not found (PATH, /usr/lib/postgresql/*/bin)")
+	}
+	sort.Slice(matches, func(i, j int) bool { return versionOf(matches[i]) > versionOf(matches[j]) })
+	return filepath.Dir(matches[0]), nil
+}
+
+func versionOf(initdb string) int {
+	v, _ := strconv.Atoi(filepath.Base(filepath.Dir(filepath.Dir(initdb))))
+	return v
+}
+
+// Cluster is a PostgreSQL cluster started from local binaries.
+type Cluster struct {
+	Dir  string
+	Port int
+	bin  string
+	user string // OS user running the server; "" for the current user
+}
+
+// URL connects to the cluster as the postgres superuser.
+func (c *Cluster) URL() string {
+	return fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", c.Port)
+}
+
+// StartCluster initialises and starts a cluster in a new temporary directory.
+func StartCluster() (*Cluster, error) {
+	bin, err := BinDir()
+	if err != nil {
+		return nil, err
+	}
+	dir, err := os.MkdirTemp("", "pgtest-")
+	if err != nil {
+		return nil, err
+	}
+	c := &Cluster{Dir: dir, bin: bin}
+	if os.Geteuid() == 0 {
+		// initdb refuses to run as root.
+		if _, err := user.Lookup("postgres"); err != nil {
+			return nil, fmt.Errorf("running as root and no postgres user: %w", err)
+		}
+		c.user = "postgres"
+		if err := exec.Command("chown", "-R", "postgres", dir).Run(); err != nil {
+			return nil, fmt.Errorf("chown %s: %w", dir, err)
+		}
+		if err := os.Chmod(dir, 0o755); err != nil {
+			return nil, err
+		}
+	}
+	if out, err := c.run("initdb", "-D", filepath.Join(dir, "data"), "-U", "postgres", "-A", "trust", "--no-sync", "-E", "UTF8", "--locale=C"); err != nil {
+		return nil, fmt.Errorf("initdb: %w: %s", err, out)
+	}
+	port, err := freePort()
+	if err != nil {
+		return nil, err
+	}
+	c.Port = port
+	if err := c.Start(); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+// Start starts (or restarts after Stop) the cluster's server.
+func (c *Cluster) Start() error {
+	opts := fmt.Sprintf("-p %d -k %s -c listen_addresses=127.0.0.1 -c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=300", c.Port, c.Dir)
+	out, err := c.run("pg_ctl", "-D", filepath.Join(c.Dir, "data"), "-l", filepath.Join(c.Dir, "server.log"), "-o", opts, "-w", "-t", "60", "start")
+	if err != nil {
+		log, _ := os.ReadFile(filepath.Join(c.Dir, "server.log"))
+		return fmt.Errorf("pg_ctl start: %w: %s\n%s", err, out, log)
+	}
+	return nil
+}
+
+// Stop stops the server with a fast shutdown, keeping the data directory.
+func (c *Cluster) Stop() error {
+	out, err := c.run("pg_ctl", "-D", filepath.Join(c.Dir, "data"), "-m", "fast", "-w", "stop")
+	if err != nil {
+		return fmt.Errorf("pg_ctl stop: %w: %s", err, out)
+	}
+	return nil
+}
+
+// Destroy stops the server and removes its directory.
+func (c *Cluster) Destroy() error {
+	err := c.Stop()
+	return errors.Join(err, os.RemoveAll(c.Dir))
+}
+
+func (c *Cluster) run(tool string, args ...string) ([]byte, error) {
+	path := filepath.Join(c.bin, tool)
+	var cmd *exec.Cmd
+	if c.user != "" {
+		cmd = exec.Command("runuser", append([]string{"-u", c.user, "--", path}, args...)...)
+	} else {
+		cmd = exec.Command(path, args...)
+	}
+	return cmd.CombinedOutput()
+}
+
+func startLocal() (*Server, error) {
+	c, err := StartCluster()
+	if err != nil {
+		return nil, err
+	}
+	return &Server{URL: c.URL(), Source: "local binaries", stop: c.Destroy}, nil
+}
+
+func startContainer() (s *Server, err error) {
+	if !dockerAnswers() {
+		return nil, errors.New("no Docker engine answers (DOCKER_HOST unset and /var/run/docker.sock missing)")
+	}
+	defer func() {
+		// testcontainers panics in some set-ups without an engine.
+		if r := recover(); r != nil {
+			err = fmt.Errorf("testcontainers: %v", r)
+		}
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	ctr, err := tcpostgres.Run(ctx, "postgres:16-alpine",
+		tcpostgres.WithUsername("postgres"),
+		tcpostgres.WithPassword("postgres"),
+		tcpostgres.WithDatabase("postgres"),
+		tcpostgres.BasicWaitStrategies(),
+	)
+	if err != nil {
+		return nil, err
+	}
+	url, err := ctr.ConnectionString(ctx, "sslmode=disable")
+	if err != nil {
+		return nil, err
+	}
+	return &Server{URL: url, Source: "testcontainers", stop: func() error {
+		return ctr.Terminate(context.Background())
+	}}, nil
+}
+
+func dockerAnswers() bool {
+	if os.Getenv("DOCKER_HOST") != "" {
+		return true
+	}
+	conn, err := net.DialTimeout("unix", "/var/run/docker.sock", time.Second)
+	if err != nil {
+		return false
+	}
+	conn.Close()
+	return true
+}
+
+func freePort() (int, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port, nil
+}
+
+func randomHex(n int) string {
+	b := make([]byte, n)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
+}
