@@ -16,14 +16,14 @@ import (
 
 // event is one delivery of an event, ready to claim.
 type event struct {
-	id          Identity
-	enc         []byte   // id.Encode()
-	hash        [32]byte // sha256(enc), the primary key
-	fingerprint []byte
+	id           Identity
+	enc          []byte   // id.Encode()
+	hash         [32]byte // sha256(enc), the primary key
+	fingerprint  []byte
 	activityType string
-	attempt     int32
-	retention   time.Duration
-	minExpiry   time.Time // the activity's own redelivery bound; zero if none
+	attempt      int32
+	retention    time.Duration
+	minExpiry    time.Time // the activity's own redelivery bound; zero if none
 }
 
 // applyFunc runs the user's effect through tx and returns the encoded result

@@ -66,12 +66,17 @@ func (s *Server) Stop() error {
 // TestMain: func TestMain(m *testing.M) { pgtest.Main(m) }.
 func Main(m *testing.M) {
 	code := m.Run()
+	StopShared()
+	os.Exit(code)
+}
+
+// StopShared stops the process-wide server if this process started one.
+func StopShared() {
 	if server != nil {
 		if err := server.Stop(); err != nil {
 			fmt.Fprintf(os.Stderr, "pgtest: stopping server: %v\n", err)
 		}
 	}
-	os.Exit(code)
 }
 
 // Start returns the process-wide server, starting it on first use.

@@ -1,0 +1,163 @@
+// Package activities holds the example ledger's activities: a debit and a
+// credit, each a database effect wrapped by dedupactivity so it applies once
+// per event whatever Temporal redelivers.
+package activities
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"go.temporal.io/sdk/activity"
+	"go.temporal.io/sdk/temporal"
+	"go.temporal.io/sdk/worker"
+
+	"github.com/dedupactivity/dedupactivity/dedupactivity"
+	"github.com/dedupactivity/dedupactivity/migrations/ledger"
+)
+
+// Activity names, used to register and to call the activities.
+const (
+	DebitName  = "Debit"
+	CreditName = "Credit"
+)
+
+// Faults asks the activities to misbehave on their first attempt, so the
+// demo and the tests can provoke real redeliveries.
+type Faults struct {
+	// LoseCompletion makes the first attempt of Debit commit its effect and
+	// then report a failure, as a worker that dies before reporting would.
+	LoseCompletion bool
+	// StallCredit makes the first attempt of Credit sleep this long after
+	// its writes, inside its claim transaction and deaf to its context, so it
+	// outlives its StartToClose timeout while Temporal starts the retry.
+	StallCredit time.Duration
+}
+
+// Posting is the input of Debit and Credit.
+type Posting struct {
+	TransferID string
+	Account    string
+	Amount     int64
+	Faults     Faults
+}
+
+// Receipt is what a posting returns: the ledger entry and the balance after
+// it, and the attempt that applied it. A duplicate delivery returns the
+// stored receipt, so Attempt can be lower than the attempt that returned it.
+type Receipt struct {
+	EntryID int64
+	Account string
+	Balance int64
+	Attempt int32
+}
+
+// ErrInsufficientFunds is returned by Debit when the account would go below
+// zero. It reaches the workflow as a non-retryable ApplicationError of type
+// "InsufficientFunds".
+var ErrInsufficientFunds = errors.New("insufficient funds")
+
+// Activities holds the activities' dependencies.
+type Activities struct {
+	Pool    *pgxpool.Pool
+	Deduper *dedupactivity.Deduper
+}
+
+// Register registers Debit and Credit, wrapped, on r.
+func (a *Activities) Register(r worker.ActivityRegistry) {
+	debit := dedupactivity.Wrap(a.Deduper, a.Debit)
+	r.RegisterActivityWithOptions(loseFirstCompletion(debit), activity.RegisterOptions{Name: DebitName})
+	dedupactivity.Register(r, a.Deduper, CreditName, a.Credit)
+}
+
+// Debit takes Amount from Account. It is a dedupactivity.EffectFunc: all its
+// writes go through tx.
+func (a *Activities) Debit(ctx context.Context, tx pgx.Tx, in Posting) (Receipt, error) {
+	r, err := post(ctx, tx, in, "debit", -in.Amount)
+	if err != nil {
+		var pgErr interface{ SQLState() string }
+		if errors.As(err, &pgErr) && pgErr.SQLState() == "23514" { // check_violation: balance >= 0
+			return r, temporal.NewNonRetryableApplicationError(ErrInsufficientFunds.Error(), "InsufficientFunds", ErrInsufficientFunds)
+		}
+	}
+	return r, err
+}
+
+// Credit adds Amount to Account.
+func (a *Activities) Credit(ctx context.Context, tx pgx.Tx, in Posting) (Receipt, error) {
+	r, err := post(ctx, tx, in, "credit", in.Amount)
+	if err == nil && in.Faults.StallCredit > 0 && activity.GetInfo(ctx).Attempt == 1 {
+		time.Sleep(in.Faults.StallCredit) // deliberately deaf to ctx: a zombie attempt
+	}
+	return r, err
+}
+
+func post(ctx context.Context, tx pgx.Tx, in Posting, kind string, delta int64) (Receipt, error) {
+	r := Receipt{Account: in.Account, Attempt: activity.GetInfo(ctx).Attempt}
+	if err := tx.QueryRow(ctx,
+		`INSERT INTO ledger_entry (transfer_id, account, amount, kind, attempt) VALUES ($1, $2, $3, $4, $5) RETURNING id`,
+		in.TransferID, in.Account, delta, kind, r.Attempt).Scan(&r.EntryID); err != nil {
+		return r, fmt.Errorf("insert %s entry: %w", kind, err)
+	}
+	if err := tx.QueryRow(ctx,
+		`UPDATE account SET balance = balance + $2 WHERE id = $1 RETURNING balance`,
+		in.Account, delta).Scan(&r.Balance); err != nil {
+		return r, fmt.Errorf("update balance of %q: %w", in.Account, err)
+	}
+	return r, nil
+}
+
+// loseFirstCompletion reports a failure after the first attempt's effect
+// committed when the input asks for it.
+func loseFirstCompletion(fn func(context.Context, Posting) (Receipt, error)) func(context.Context, Posting) (Receipt, error) {
+	return func(ctx context.Context, in Posting) (Receipt, error) {
+		r, err := fn(ctx, in)
+		if err == nil && in.Faults.LoseCompletion && activity.GetInfo(ctx).Attempt == 1 {
+			return Receipt{}, errors.New("injected fault: completion lost after commit")
+		}
+		return r, err
+	}
+}
+
+// Migrate creates the ledger schema (idempotent).
+func Migrate(ctx context.Context, pool *pgxpool.Pool) error {
+	names, err := fs.Glob(ledger.FS, "*.up.sql")
+	if err != nil {
+		return err
+	}
+	sort.Strings(names)
+	var b strings.Builder
+	for _, n := range names {
+		sql, err := fs.ReadFile(ledger.FS, n)
+		if err != nil {
+			return err
+		}
+		b.Write(sql)
+	}
+	// One transaction under an advisory lock: workers may start together.
+	return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(7245001)`); err != nil {
+			return err
+		}
+		_, err := tx.Exec(ctx, b.String())
+		return err
+	})
+}
+
+// OpenAccounts creates (or resets) accounts with the given balance.
+func OpenAccounts(ctx context.Context, pool *pgxpool.Pool, balance int64, ids ...string) error {
+	for _, id := range ids {
+		if _, err := pool.Exec(ctx,
+			`INSERT INTO account (id, balance) VALUES ($1, $2) ON CONFLICT (id) DO UPDATE SET balance = excluded.balance`,
+			id, balance); err != nil {
+			return fmt.Errorf("open account %q: %w", id, err)
+		}
+	}
+	return nil
+}

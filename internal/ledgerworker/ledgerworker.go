@@ -1,0 +1,211 @@
+// Package ledgerworker wires the example ledger worker: configuration from the
+// environment, PostgreSQL, migrations, the Temporal client with the
+// OpenTelemetry tracing interceptor, and the registered workflows and wrapped
+// activities. worker/main.go, the demo and the end-to-end tests share it.
+package ledgerworker
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/exporters/otlp/otlpmetric/otlpmetricgrpc"
+	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracegrpc"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/propagation"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/resource"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	semconv "go.opentelemetry.io/otel/semconv/v1.26.0"
+	"go.opentelemetry.io/otel/trace"
+	temporalotel "go.temporal.io/sdk/contrib/opentelemetry"
+	"go.temporal.io/sdk/client"
+	"go.temporal.io/sdk/interceptor"
+	tlog "go.temporal.io/sdk/log"
+	"go.temporal.io/sdk/worker"
+	"go.temporal.io/sdk/workflow"
+
+	"github.com/dedupactivity/dedupactivity/activities"
+	"github.com/dedupactivity/dedupactivity/dedupactivity"
+	"github.com/dedupactivity/dedupactivity/workflows"
+)
+
+// Defaults of Config, matching docker-compose.yml.
+const (
+	DefaultTemporalAddress = "127.0.0.1:7233"
+	DefaultNamespace       = "default"
+	DefaultTaskQueue       = "ledger-transfers"
+	DefaultDatabaseURL     = "postgres://postgres:postgres@127.0.0.1:5432/ledger?sslmode=disable"
+)
+
+// Config configures the worker.
+type Config struct {
+	// TemporalAddress is the frontend host:port (env TEMPORAL_ADDRESS).
+	TemporalAddress string
+	// Namespace is the Temporal namespace (env TEMPORAL_NAMESPACE).
+	Namespace string
+	// TaskQueue is the task queue polled (env TASK_QUEUE).
+	TaskQueue string
+	// DatabaseURL is the PostgreSQL connection string (env DATABASE_URL).
+	DatabaseURL string
+	// Dedup configures the Deduper (TracerProvider and MeterProvider are
+	// filled from the worker's).
+	Dedup dedupactivity.Options
+	// MaxConcurrentActivities caps concurrent activity executions; 0 keeps
+	// the SDK default.
+	MaxConcurrentActivities int
+	// Logger for the Temporal client; nil logs warnings and errors to stderr.
+	Logger tlog.Logger
+	// Register, when set, registers more workflows and activities before
+	// the worker starts (tests use it).
+	Register func(r worker.Registry, d *dedupactivity.Deduper, a *activities.Activities)
+}
+
+// ConfigFromEnv reads Config from the environment, with the defaults above.
+func ConfigFromEnv() Config {
+	return Config{
+		TemporalAddress: cmp.Or(os.Getenv("TEMPORAL_ADDRESS"), DefaultTemporalAddress),
+		Namespace:       cmp.Or(os.Getenv("TEMPORAL_NAMESPACE"), DefaultNamespace),
+		TaskQueue:       cmp.Or(os.Getenv("TASK_QUEUE"), DefaultTaskQueue),
+		DatabaseURL:     cmp.Or(os.Getenv("DATABASE_URL"), DefaultDatabaseURL),
+	}
+}
+
+// Telemetry holds the providers the worker reports to, and their shutdown.
+type Telemetry struct {
+	TracerProvider trace.TracerProvider
+	MeterProvider  metric.MeterProvider
+	Shutdown       func(context.Context) error
+}
+
+// TelemetryFromEnv exports traces and metrics over OTLP/gRPC when the
+// standard OTEL_EXPORTER_OTLP_ENDPOINT (or the _TRACES_/_METRICS_ variant) is
+// set; otherwise it uses the global (no-op) providers. The service name is
+// OTEL_SERVICE_NAME, defaulting to serviceName.
+func TelemetryFromEnv(ctx context.Context, serviceName string) (*Telemetry, error) {
+	endpoint := os.Getenv("OTEL_EXPORTER_OTLP_ENDPOINT")
+	traces := cmp.Or(os.Getenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"), endpoint)
+	metrics := cmp.Or(os.Getenv("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"), endpoint)
+	t := &Telemetry{TracerProvider: otel.GetTracerProvider(), MeterProvider: otel.GetMeterProvider(), Shutdown: func(context.Context) error { return nil }}
+	if traces == "" && metrics == "" {
+		return t, nil
+	}
+	res, err := resource.Merge(resource.Default(), resource.NewWithAttributes(semconv.SchemaURL,
+		semconv.ServiceName(cmp.Or(os.Getenv("OTEL_SERVICE_NAME"), serviceName))))
+	if err != nil {
+		return nil, fmt.Errorf("otel resource: %w", err)
+	}
+	var shutdowns []func(context.Context) error
+	if traces != "" {
+		exp, err := otlptracegrpc.New(ctx)
+		if err != nil {
+			return nil, fmt.Errorf("otlp trace exporter: %w", err)
+		}
+		tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(exp), sdktrace.WithResource(res))
+		t.TracerProvider = tp
+		shutdowns = append(shutdowns, tp.Shutdown)
+	}
+	if metrics != "" {
+		exp, err := otlpmetricgrpc.New(ctx)
+		if err != nil {
+			return nil, fmt.Errorf("otlp metric exporter: %w", err)
+		}
+		mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(sdkmetric.NewPeriodicReader(exp)), sdkmetric.WithResource(res))
+		t.MeterProvider = mp
+		shutdowns = append(shutdowns, mp.Shutdown)
+	}
+	otel.SetTextMapPropagator(propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{}))
+	t.Shutdown = func(ctx context.Context) error {
+		var errs []error
+		for _, s := range shutdowns {
+			errs = append(errs, s(ctx))
+		}
+		return errors.Join(errs...)
+	}
+	return t, nil
+}
+
+// Worker is a started ledger worker.
+type Worker struct {
+	Client  client.Client
+	Pool    *pgxpool.Pool
+	Deduper *dedupactivity.Deduper
+	Worker  worker.Worker
+}
+
+// Start connects to PostgreSQL and Temporal, migrates, registers the
+// workflows and wrapped activities and starts polling.
+func Start(ctx context.Context, cfg Config, tel *Telemetry) (_ *Worker, err error) {
+	if tel == nil {
+		tel = &Telemetry{TracerProvider: otel.GetTracerProvider(), MeterProvider: otel.GetMeterProvider()}
+	}
+	pool, err := pgxpool.New(ctx, cfg.DatabaseURL)
+	if err != nil {
+		return nil, fmt.Errorf("connect to PostgreSQL: %w", err)
+	}
+	defer func() {
+		if err != nil {
+			pool.Close()
+		}
+	}()
+	opts := cfg.Dedup
+	opts.TracerProvider, opts.MeterProvider = tel.TracerProvider, tel.MeterProvider
+	d, err := dedupactivity.New(pool, opts)
+	if err != nil {
+		return nil, err
+	}
+	if err := d.Migrate(ctx); err != nil {
+		return nil, fmt.Errorf("migrate markers: %w", err)
+	}
+	if err := activities.Migrate(ctx, pool); err != nil {
+		return nil, fmt.Errorf("migrate ledger: %w", err)
+	}
+
+	tracing, err := temporalotel.NewTracingInterceptor(temporalotel.TracerOptions{
+		Tracer: tel.TracerProvider.Tracer("temporal-sdk-go"),
+	})
+	if err != nil {
+		return nil, fmt.Errorf("tracing interceptor: %w", err)
+	}
+	logger := cfg.Logger
+	if logger == nil {
+		logger = QuietLogger()
+	}
+	c, err := client.Dial(client.Options{
+		HostPort:     cfg.TemporalAddress,
+		Namespace:    cfg.Namespace,
+		Interceptors: []interceptor.ClientInterceptor{tracing},
+		Logger:       logger,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("connect to Temporal at %s: %w", cfg.TemporalAddress, err)
+	}
+	w := worker.New(c, cfg.TaskQueue, worker.Options{
+		MaxConcurrentActivityExecutionSize: cfg.MaxConcurrentActivities,
+		WorkerStopTimeout:                  10 * time.Second,
+	})
+	w.RegisterWorkflowWithOptions(workflows.TransferWorkflow, workflow.RegisterOptions{Name: workflows.TransferWorkflowName})
+	acts := &activities.Activities{Pool: pool, Deduper: d}
+	acts.Register(w)
+	if cfg.Register != nil {
+		cfg.Register(w, d, acts)
+	}
+	if err := w.Start(); err != nil {
+		c.Close()
+		return nil, fmt.Errorf("start worker: %w", err)
+	}
+	return &Worker{Client: c, Pool: pool, Deduper: d, Worker: w}, nil
+}
+
+// Stop drains the worker (in-flight activities finish, up to its stop
+// timeout) and closes the client and pool.
+func (w *Worker) Stop() {
+	w.Worker.Stop()
+	w.Client.Close()
+	w.Pool.Close()
+}

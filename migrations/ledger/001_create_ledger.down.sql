@@ -1,0 +1,2 @@
+DROP TABLE IF EXISTS ledger_entry;
+DROP TABLE IF EXISTS account;
