@@ -10,6 +10,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -56,8 +57,10 @@ type Config struct {
 	// Dedup configures the Deduper (TracerProvider and MeterProvider are
 	// filled from the worker's).
 	Dedup dedupactivity.Options
-	// MaxConcurrentActivities caps concurrent activity executions; 0 keeps
-	// the SDK default.
+	// MaxConcurrentActivities caps concurrent activity executions. Every
+	// attempt holds one pooled connection for its transaction, so the pool
+	// is sized to this plus a margin (unless DatabaseURL sets
+	// pool_max_conns). Defaults to 32.
 	MaxConcurrentActivities int
 	// Logger for the Temporal client; nil logs warnings and errors to stderr.
 	Logger tlog.Logger
@@ -130,6 +133,23 @@ func TelemetryFromEnv(ctx context.Context, serviceName string) (*Telemetry, erro
 	return t, nil
 }
 
+// OpenPool opens a pool on cfg.DatabaseURL sized for
+// cfg.MaxConcurrentActivities (unless the URL sets pool_max_conns).
+func OpenPool(ctx context.Context, cfg Config) (*pgxpool.Pool, error) {
+	poolCfg, err := pgxpool.ParseConfig(cfg.DatabaseURL)
+	if err != nil {
+		return nil, fmt.Errorf("parse DATABASE_URL: %w", err)
+	}
+	if !strings.Contains(cfg.DatabaseURL, "pool_max_conns") {
+		poolCfg.MaxConns = int32(cmp.Or(cfg.MaxConcurrentActivities, 32) + 4)
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, poolCfg)
+	if err != nil {
+		return nil, fmt.Errorf("connect to PostgreSQL: %w", err)
+	}
+	return pool, nil
+}
+
 // Worker is a started ledger worker.
 type Worker struct {
 	Client  client.Client
@@ -144,9 +164,10 @@ func Start(ctx context.Context, cfg Config, tel *Telemetry) (_ *Worker, err erro
 	if tel == nil {
 		tel = &Telemetry{TracerProvider: otel.GetTracerProvider(), MeterProvider: otel.GetMeterProvider()}
 	}
-	pool, err := pgxpool.New(ctx, cfg.DatabaseURL)
+	cfg.MaxConcurrentActivities = cmp.Or(cfg.MaxConcurrentActivities, 32)
+	pool, err := OpenPool(ctx, cfg)
 	if err != nil {
-		return nil, fmt.Errorf("connect to PostgreSQL: %w", err)
+		return nil, err
 	}
 	defer func() {
 		if err != nil {
