@@ -381,3 +381,29 @@ func TestResultTooLarge(t *testing.T) {
 	require.Zero(t, b.markers(t))
 	require.Zero(t, b.ledgerRows(t))
 }
+
+func TestDoOutsideTemporal(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	ctx := context.Background()
+	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, Namespace: "kafka", ActivityType: "Post", Key: "offset-42"}
+	in := Transfer{Account: "a", Amount: 6}
+
+	p1, outcome, err := dedupactivity.Do(ctx, b.d, id, in, b.post)
+	require.NoError(t, err)
+	require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
+	p2, outcome, err := dedupactivity.Do(ctx, b.d, id, in, b.post)
+	require.NoError(t, err)
+	require.Equal(t, dedupactivity.OutcomeDuplicate, outcome)
+	require.Equal(t, p1, p2)
+
+	_, outcome, err = dedupactivity.Do(ctx, b.d, id, Transfer{Account: "a", Amount: 7}, b.post)
+	require.ErrorIs(t, err, dedupactivity.ErrPayloadMismatch)
+	var ae *temporal.ApplicationError
+	require.False(t, errors.As(err, &ae), "Do leaves errors unconverted")
+	require.Equal(t, dedupactivity.OutcomePayloadMismatch, outcome)
+	require.Equal(t, int64(1), b.effects.Load())
+
+	_, _, err = dedupactivity.Do(ctx, b.d, dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey}, in, b.post)
+	require.ErrorIs(t, err, dedupactivity.ErrEmptyBusinessKey)
+}

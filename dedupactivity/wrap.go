@@ -114,24 +114,59 @@ func newWrapper[In, Out any](d *Deduper, fn EffectFunc[In, Out], opts []WrapOpti
 	return w, nil
 }
 
+// Do applies fn at most once for the event identity id, with the same
+// transaction, result storage, mismatch policy and telemetry as a wrapped
+// activity, but with an identity of your choosing and errors left as this
+// package's own (not converted to Temporal errors). Use it to deduplicate
+// work that is not a Temporal activity, such as a message consumer; inside
+// an activity, prefer Wrap. The Outcome says what happened: OutcomeClaimed
+// when fn ran and committed, OutcomeDuplicate (or OutcomePayloadMismatch
+// under MismatchReturnStored) when the stored result was returned.
+func Do[In, Out any](ctx context.Context, d *Deduper, id Identity, in In, fn EffectFunc[In, Out], opts ...WrapOption) (Out, Outcome, error) {
+	w, err := newWrapper(d, fn, opts)
+	if err != nil {
+		var zero Out
+		return zero, OutcomeError, err
+	}
+	var info activity.Info
+	if activity.IsActivity(ctx) {
+		info = activity.GetInfo(ctx)
+	}
+	if info.ActivityType.Name == "" {
+		info.ActivityType.Name = id.ActivityType
+	}
+	return w.apply(ctx, info, id, in)
+}
+
 // run is the activity function.
-func (w *wrapper[In, Out]) run(ctx context.Context, in In) (out Out, err error) {
+func (w *wrapper[In, Out]) run(ctx context.Context, in In) (Out, error) {
 	if !activity.IsActivity(ctx) {
-		return out, toTemporal(ErrNotActivity)
+		var zero Out
+		return zero, toTemporal(ErrNotActivity)
 	}
 	info := activity.GetInfo(ctx)
-
 	id := IdentityFromInfo(info)
 	if w.cfg.keyFn != nil {
 		key, err := w.cfg.keyFn(in)
 		if err != nil {
-			return out, toTemporal(fmt.Errorf("dedupactivity: business key: %w", err))
+			var zero Out
+			return zero, toTemporal(fmt.Errorf("dedupactivity: business key: %w", err))
 		}
 		id = Identity{Kind: KindBusinessKey, Namespace: info.Namespace, ActivityType: info.ActivityType.Name, Key: key}
 	}
+	out, outcome, err := w.apply(ctx, info, id, in)
+	if outcome == OutcomeEffectError {
+		return out, err // the effect's own error reaches Temporal unchanged
+	}
+	return out, toTemporal(err)
+}
+
+// apply runs one attempt of the event id: it validates the identity,
+// fingerprints the input, traces the attempt, and claims and applies.
+func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Identity, in In) (out Out, outcome Outcome, err error) {
 	ev := &event{id: id, enc: id.Encode(), activityType: info.ActivityType.Name, attempt: info.Attempt, retention: w.cfg.retention}
 	if err := id.validate(ev.enc); err != nil {
-		return out, toTemporal(err)
+		return out, OutcomeError, err
 	}
 	ev.hash = sha256Sum(ev.enc)
 	if info.ScheduleToCloseTimeout > 0 && !info.ScheduledTime.IsZero() {
@@ -146,12 +181,12 @@ func (w *wrapper[In, Out]) run(ctx context.Context, in In) (out Out, err error) 
 			panic(r)
 		}
 		w.d.tel.end(ctx, rec, err)
-		err = toTemporal(err)
+		outcome = rec.outcome
 	}()
 
 	if ev.fingerprint, err = fingerprint(in); err != nil {
 		rec.outcome = OutcomeError
-		return out, err
+		return out, OutcomeError, err
 	}
 
 	claimedOut, claimed := out, false
@@ -164,19 +199,23 @@ func (w *wrapper[In, Out]) run(ctx context.Context, in In) (out Out, err error) 
 		return w.encode(o)
 	})
 	if err != nil {
-		return out, err
+		var ee effectError
+		if errors.As(err, &ee) {
+			err = ee.err // the effect's own error, unchanged
+		}
+		return out, rec.outcome, err
 	}
 	if claimed {
-		return claimedOut, nil
+		return claimedOut, rec.outcome, nil
 	}
 	if result == nil {
-		return out, nil // results are not stored: the zero value
+		return out, rec.outcome, nil // results are not stored: the zero value
 	}
 	if err := w.decode(result, &out); err != nil {
 		rec.outcome = OutcomeError
-		return out, err
+		return out, OutcomeError, err
 	}
-	return out, nil
+	return out, rec.outcome, nil
 }
 
 func (w *wrapper[In, Out]) encode(o Out) ([]byte, error) {
