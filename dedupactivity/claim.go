@@ -7,8 +7,11 @@ package dedupactivity
 import (
 	"bytes"
 	"context"
+	"encoding/hex"
 	"errors"
 	"fmt"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -50,48 +53,60 @@ type stored struct {
 // to hand back: the new one when this attempt claimed the event, the stored
 // one when it was a duplicate. rec.outcome says which.
 //
-// The steps, in one READ COMMITTED transaction:
+// The steps, on one pooled connection, in one READ COMMITTED transaction:
 //
-//  1. BEGIN.
-//  2. One pipelined round trip: bound lock_timeout by the claim wait, INSERT
-//     the marker ON CONFLICT DO NOTHING RETURNING, restore lock_timeout, and
-//     read the marker row. If a concurrent attempt holds the same identity,
-//     the INSERT waits for its transaction: if it commits, the INSERT returns
-//     no row and the read (a new snapshot) sees the committed marker; if it
-//     rolls back, the INSERT claims the event.
-//  3. Claimed: run the effect through the same tx, store its result, COMMIT.
-//     Any error or panic rolls everything back, marker included, so the
-//     event stays available for the retry.
-//  4. Duplicate: compare fingerprints, ROLLBACK (nothing was written) and
-//     return the stored result.
+//  1. One round trip (a multi-statement simple query sent as the
+//     transaction's BEGIN): BEGIN, bound lock_timeout by the claim wait,
+//     INSERT the marker ON CONFLICT DO NOTHING RETURNING, and restore
+//     lock_timeout if a row came back, else raise SQLSTATE DDUP1. If a
+//     concurrent attempt holds the same identity, the INSERT waits for its
+//     transaction: if it commits, this is a duplicate; if it rolls back,
+//     this attempt claims the event.
+//  2. Claimed: run the effect through the same pgx.Tx, then one round trip
+//     that stores the result and COMMITs. Any error or panic rolls
+//     everything back, marker included, so the event stays available for
+//     the retry.
+//  3. Duplicate: one round trip that rolls back (nothing was written) and
+//     reads the stored marker (a new READ COMMITTED snapshot sees the
+//     committed row); compare fingerprints; return the stored result.
+//
+// A first delivery thus costs the same round trips as the bare effect in a
+// transaction (BEGIN ... COMMIT), and a duplicate costs two.
 func (d *Deduper) apply(ctx context.Context, ev *event, rec *record, fn applyFunc) (result []byte, err error) {
 	rec.outcome = OutcomeError
 	claimStart := time.Now()
-	tx, err := d.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+	conn, err := d.pool.Acquire(ctx)
 	if err != nil {
 		rec.claimWait = time.Since(claimStart)
-		return nil, fmt.Errorf("dedupactivity: begin: %w", err)
+		return nil, fmt.Errorf("dedupactivity: acquire connection: %w", err)
 	}
-	committed := false
+	defer conn.Release() // destroys the connection if it is not idle
 	defer func() {
-		// Roll back on every path that did not commit, panics included.
-		if !committed {
+		// Roll back on every path that left a transaction open, panics
+		// included.
+		c := conn.Conn()
+		if !c.IsClosed() && c.PgConn().TxStatus() != 'I' {
 			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 			defer cancel()
-			_ = tx.Rollback(rctx)
+			_, _ = c.Exec(rctx, "ROLLBACK")
 		}
 	}()
 
-	claimed, st, err := d.claim(ctx, tx, ev)
+	tx, err := conn.Conn().BeginTx(ctx, pgx.TxOptions{BeginQuery: d.claimSQL(ctx, ev)})
 	rec.claimWait = time.Since(claimStart)
 	if err != nil {
+		if sqlState(err) == duplicateState {
+			st, err := d.readStored(ctx, conn.Conn(), ev)
+			if err != nil {
+				return nil, err
+			}
+			return d.duplicate(ev, rec, st)
+		}
+		err = translate(err)
 		if errors.Is(err, ErrClaimTimeout) {
 			rec.outcome = OutcomeClaimTimeout
 		}
-		return nil, err
-	}
-	if !claimed {
-		return d.duplicate(ev, rec, st)
+		return nil, fmt.Errorf("dedupactivity: claim: %w", err)
 	}
 
 	if d.afterClaim != nil {
@@ -113,58 +128,137 @@ func (d *Deduper) apply(ctx context.Context, ev *event, rec *record, fn applyFun
 		return nil, err
 	}
 	rec.outcome = OutcomeError
-	if result != nil {
-		if _, err := tx.Exec(ctx, d.q.storeResult, ev.hash[:], result); err != nil {
-			return nil, fmt.Errorf("dedupactivity: store result: %w", translate(err))
-		}
+	if err := d.commit(ctx, conn.Conn(), ev, result); err != nil {
+		return nil, err
 	}
-	if err := tx.Commit(ctx); err != nil {
-		// The commit may or may not have reached the server. Either way the
-		// retry finds out: it claims the event again, or sees a duplicate.
-		return nil, fmt.Errorf("dedupactivity: commit: %w", err)
-	}
-	committed = true
 	rec.outcome = OutcomeClaimed
 	return result, nil
 }
 
-// claim inserts the marker and reads the marker row, in one round trip.
-func (d *Deduper) claim(ctx context.Context, tx pgx.Tx, ev *event) (claimed bool, st stored, err error) {
-	var minExpiry *time.Time
-	if !ev.minExpiry.IsZero() {
-		minExpiry = &ev.minExpiry
-	}
-	b := &pgx.Batch{}
-	b.Queue(`SELECT set_config('lock_timeout', $1, true)`, fmt.Sprintf("%dms", claimWait(ctx, d.opts.ClaimWait).Milliseconds()))
-	b.Queue(d.q.insert, ev.hash[:], ev.enc, ev.activityType, ev.fingerprint, fingerprintAlgSHA256JSON,
-		ev.attempt, ev.retention.Seconds(), minExpiry)
-	b.Queue(`SET LOCAL lock_timeout TO DEFAULT`)
-	b.Queue(d.q.selectStored, ev.hash[:])
+// duplicateState is the SQLSTATE the claim raises for an event already
+// claimed (migration 002).
+const duplicateState = "DDUP1"
 
-	br := tx.SendBatch(ctx, b)
-	defer br.Close()
-	if _, err := br.Exec(); err != nil {
-		return false, st, fmt.Errorf("dedupactivity: claim: %w", translate(err))
+// claimSQL is the claim, sent as the transaction's BEGIN query: several
+// statements in one simple-protocol round trip. The simple protocol takes no
+// parameters, so every value is a literal built only from hex digits,
+// numbers and a timestamp: nothing in an identity or input reaches the SQL
+// text as such.
+func (d *Deduper) claimSQL(ctx context.Context, ev *event) string {
+	minExpiry := "NULL"
+	if !ev.minExpiry.IsZero() {
+		minExpiry = "'" + ev.minExpiry.UTC().Format(time.RFC3339Nano) + "'::timestamptz"
 	}
-	err = br.QueryRow().Scan(&claimed)
-	switch {
-	case errors.Is(err, pgx.ErrNoRows):
-		claimed = false
-	case err != nil:
-		return false, st, fmt.Errorf("dedupactivity: claim: %w", translate(err))
+	var b strings.Builder
+	b.Grow(768 + 2*len(ev.enc))
+	b.WriteString("BEGIN ISOLATION LEVEL READ COMMITTED;\n")
+	b.WriteString("SELECT set_config('dedupactivity.lock_timeout', current_setting('lock_timeout'), true);\n")
+	fmt.Fprintf(&b, "SET LOCAL lock_timeout = '%dms';\n", claimWait(ctx, d.opts.ClaimWait).Milliseconds())
+	fmt.Fprintf(&b, `WITH ins AS (
+	INSERT INTO %s (id_hash, identity, activity_type, fingerprint, fingerprint_alg, attempt, expires_at)
+	VALUES (%s, %s, %s, %s, %d, %d, GREATEST(now() + make_interval(secs => %s), %s))
+	ON CONFLICT (id_hash) DO NOTHING
+	RETURNING true)
+SELECT CASE WHEN EXISTS (SELECT FROM ins)
+	THEN set_config('lock_timeout', current_setting('dedupactivity.lock_timeout'), true)
+	ELSE %s() END`,
+		d.table, hexLiteral(ev.hash[:]), hexLiteral(ev.enc), textLiteral(ev.activityType), hexLiteral(ev.fingerprint),
+		fingerprintAlgSHA256JSON, ev.attempt, strconv.FormatFloat(ev.retention.Seconds(), 'f', 3, 64), minExpiry, d.duplicateFunc)
+	return b.String()
+}
+
+// readStored rolls back the failed claim and reads the stored marker, in one
+// round trip: a simple-protocol query, since the aborted transaction refuses
+// the prepare step the extended protocol would send first.
+func (d *Deduper) readStored(ctx context.Context, conn *pgx.Conn, ev *event) (stored, error) {
+	var st stored
+	sql := "ROLLBACK; " + d.q.selectStoredLiteral + hexLiteral(ev.hash[:])
+	results, err := conn.PgConn().Exec(ctx, sql).ReadAll()
+	if err != nil {
+		return st, fmt.Errorf("dedupactivity: read marker: %w", translate(err))
 	}
-	if _, err := br.Exec(); err != nil {
-		return false, st, fmt.Errorf("dedupactivity: reset lock_timeout: %w", translate(err))
+	if len(results) != 2 || len(results[1].Rows) != 1 || len(results[1].Rows[0]) != 4 {
+		// Only possible if the marker was pruned between the conflict and
+		// the read: let Temporal retry.
+		return st, errors.New("dedupactivity: marker vanished after conflict, retry")
 	}
-	if err := br.QueryRow().Scan(&st.fingerprint, &st.alg, &st.result, &st.attempt); err != nil {
-		if errors.Is(err, pgx.ErrNoRows) {
-			// Only possible if the marker was pruned between the conflict
-			// and the read: let Temporal retry.
-			return false, st, errors.New("dedupactivity: marker vanished after conflict, retry")
+	row := results[1].Rows[0] // text format
+	if st.fingerprint, err = decodeByteaText(row[0]); err != nil {
+		return st, err
+	}
+	alg, err := strconv.ParseInt(string(row[1]), 10, 16)
+	if err != nil {
+		return st, fmt.Errorf("dedupactivity: read marker: fingerprint_alg: %w", err)
+	}
+	st.alg = int16(alg)
+	if row[2] != nil {
+		if st.result, err = decodeByteaText(row[2]); err != nil {
+			return st, err
 		}
-		return false, st, fmt.Errorf("dedupactivity: read marker: %w", translate(err))
 	}
-	return claimed, st, br.Close()
+	attempt, err := strconv.ParseInt(string(row[3]), 10, 32)
+	if err != nil {
+		return st, fmt.Errorf("dedupactivity: read marker: attempt: %w", err)
+	}
+	st.attempt = int32(attempt)
+	return st, nil
+}
+
+// decodeByteaText decodes PostgreSQL's hex text format for bytea (\x...).
+func decodeByteaText(b []byte) ([]byte, error) {
+	if len(b) < 2 || b[0] != '\\' || b[1] != 'x' {
+		return nil, fmt.Errorf("dedupactivity: read marker: unexpected bytea text %.20q", b)
+	}
+	out := make([]byte, hex.DecodedLen(len(b)-2))
+	if _, err := hex.Decode(out, b[2:]); err != nil {
+		return nil, fmt.Errorf("dedupactivity: read marker: %w", err)
+	}
+	return out, nil
+}
+
+// commit stores the result (when there is one) and commits, in one round
+// trip.
+func (d *Deduper) commit(ctx context.Context, conn *pgx.Conn, ev *event, result []byte) error {
+	b := &pgx.Batch{}
+	if result != nil {
+		b.Queue(d.q.storeResult, ev.hash[:], result)
+	}
+	b.Queue("COMMIT")
+	br := conn.SendBatch(ctx, b)
+	defer br.Close()
+	if result != nil {
+		if _, err := br.Exec(); err != nil {
+			return fmt.Errorf("dedupactivity: store result: %w", translate(err))
+		}
+	}
+	tag, err := br.Exec()
+	if err != nil {
+		// The commit may or may not have reached the server. Either way the
+		// retry finds out: it claims the event again, or sees a duplicate.
+		return fmt.Errorf("dedupactivity: commit: %w", err)
+	}
+	if tag.String() == "ROLLBACK" {
+		// An effect statement failed but the effect returned no error.
+		return fmt.Errorf("dedupactivity: commit: %w", pgx.ErrTxCommitRollback)
+	}
+	return br.Close()
+}
+
+func hexLiteral(b []byte) string { return "decode('" + hex.EncodeToString(b) + "', 'hex')" }
+
+// textLiteral encodes s as a text expression; bytes that are not valid UTF-8
+// (and NUL, which text cannot hold) become U+FFFD.
+func textLiteral(s string) string {
+	s = strings.ReplaceAll(strings.ToValidUTF8(s, "\uFFFD"), "\x00", "\uFFFD")
+	return "convert_from(" + hexLiteral([]byte(s)) + ", 'UTF8')"
+}
+
+func sqlState(err error) string {
+	var pgErr interface{ SQLState() string }
+	if errors.As(err, &pgErr) {
+		return pgErr.SQLState()
+	}
+	return ""
 }
 
 // duplicate decides what a delivery of an already applied event returns.

@@ -16,8 +16,11 @@ type Deduper struct {
 	pool  *pgxpool.Pool
 	opts  Options
 	table string // schema-qualified, quoted table name
-	q     queries
-	tel   *telemetry
+	// duplicateFunc is the qualified name of the function the claim raises
+	// DDUP1 with.
+	duplicateFunc string
+	q             queries
+	tel           *telemetry
 
 	// afterClaim, when set (tests only), runs after the marker insert and
 	// before the effect, inside the claim transaction.
@@ -38,11 +41,14 @@ func New(pool *pgxpool.Pool, opts Options) (*Deduper, error) {
 	if err != nil {
 		return nil, fmt.Errorf("dedupactivity: telemetry: %w", err)
 	}
-	table := pgx.Identifier{opts.Table}.Sanitize()
-	if opts.Schema != "" {
-		table = pgx.Identifier{opts.Schema, opts.Table}.Sanitize()
+	qualify := func(name string) string {
+		if opts.Schema != "" {
+			return pgx.Identifier{opts.Schema, name}.Sanitize()
+		}
+		return pgx.Identifier{name}.Sanitize()
 	}
-	return &Deduper{pool: pool, opts: opts, table: table, q: newQueries(table), tel: tel}, nil
+	table := qualify(opts.Table)
+	return &Deduper{pool: pool, opts: opts, table: table, duplicateFunc: qualify(opts.Table + "_duplicate"), q: newQueries(table), tel: tel}, nil
 }
 
 // Options returns the Deduper's options with defaults filled in.
@@ -73,17 +79,14 @@ func (d *Deduper) Prune(ctx context.Context) (int64, error) {
 
 // queries holds the SQL with the table name filled in once.
 type queries struct {
-	insert, selectStored, storeResult, prune string
+	selectStoredLiteral, storeResult, prune string
 }
 
 func newQueries(table string) queries {
 	return queries{
-		insert: `INSERT INTO ` + table + ` (id_hash, identity, activity_type, fingerprint, fingerprint_alg, attempt, expires_at)
-VALUES ($1, $2, $3, $4, $5, $6, GREATEST(now() + make_interval(secs => $7), $8))
-ON CONFLICT (id_hash) DO NOTHING
-RETURNING true`,
-		selectStored: `SELECT fingerprint, fingerprint_alg, result, attempt FROM ` + table + ` WHERE id_hash = $1`,
-		storeResult:  `UPDATE ` + table + ` SET result = $2 WHERE id_hash = $1`,
+		// Completed with a literal; for the simple protocol.
+		selectStoredLiteral: `SELECT fingerprint, fingerprint_alg, result, attempt FROM ` + table + ` WHERE id_hash = `,
+		storeResult:         `UPDATE ` + table + ` SET result = $2 WHERE id_hash = $1`,
 		prune: `DELETE FROM ` + table + ` WHERE id_hash = ANY (ARRAY(
 	SELECT id_hash FROM ` + table + ` WHERE expires_at < now()
 	ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED))`,

@@ -1,0 +1,79 @@
+package dedupactivity_test
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"sync/atomic"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/dedupactivity/dedupactivity/dedupactivity"
+)
+
+// countingConn counts the writes a client makes: one per round trip, since
+// pgx sends each query, batch or pipeline in one write and then waits.
+type countingConn struct {
+	net.Conn
+	writes *atomic.Int64
+}
+
+func (c countingConn) Write(b []byte) (int, error) {
+	c.writes.Add(1)
+	return c.Conn.Write(b)
+}
+
+// TestRoundTrips pins the cost of the claim: a first delivery takes no more
+// round trips than the bare effect in a transaction, and a duplicate fewer.
+func TestRoundTrips(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	ctx := context.Background()
+
+	var writes atomic.Int64
+	cfg, err := pgxpool.ParseConfig(b.schema.URL)
+	require.NoError(t, err)
+	cfg.MaxConns = 1
+	dial := cfg.ConnConfig.DialFunc
+	cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+		c, err := dial(ctx, network, addr)
+		return countingConn{Conn: c, writes: &writes}, err
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	defer pool.Close()
+	d, err := dedupactivity.New(pool, dedupactivity.Options{})
+	require.NoError(t, err)
+
+	measure := func(f func(i int)) int64 {
+		f(-1) // warm up: connect, prepare statements
+		before := writes.Load()
+		f(0)
+		return writes.Load() - before
+	}
+	bare := measure(func(int) {
+		require.NoError(t, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			_, err := b.post(ctx, tx, Transfer{Account: "a", Amount: 1})
+			return err
+		}))
+	})
+	first := measure(func(i int) {
+		id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: fmt.Sprint("first", i)}
+		_, outcome, err := dedupactivity.Do(ctx, d, id, Transfer{Account: "a", Amount: 1}, b.post)
+		require.NoError(t, err)
+		require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
+	})
+	dup := measure(func(int) {
+		id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "first-1"}
+		_, outcome, err := dedupactivity.Do(ctx, d, id, Transfer{Account: "a", Amount: 1}, b.post)
+		require.NoError(t, err)
+		require.Equal(t, dedupactivity.OutcomeDuplicate, outcome)
+	})
+	t.Logf("round trips: bare %d, first delivery %d, duplicate %d", bare, first, dup)
+	require.Equal(t, int64(4), bare, "BEGIN, INSERT, UPDATE, COMMIT")
+	require.LessOrEqual(t, first, bare, "a first delivery costs no more round trips than the bare transaction")
+	require.Less(t, dup, first, "the duplicate path is cheaper than a first delivery")
+}

@@ -1,0 +1,1 @@
+DROP FUNCTION IF EXISTS dedup_marker_duplicate();
