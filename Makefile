@@ -26,6 +26,10 @@ demo: $(TEMPORAL) ## Run the main job: transfers with injected redeliveries on e
 test: $(TEMPORAL) ## Run all tests (race detector) against real PostgreSQL and a real Temporal dev server.
 	$(GO) test -race -count=1 -timeout 30m ./...
 
+.PHONY: bench
+bench: $(TEMPORAL) ## Benchmarks: dedupactivity vs bare / status-record / check-then-insert; writes docs/bench.md and docs/bench.png.
+	$(GO) run ./cmd/bench $(BENCH_FLAGS)
+
 .PHONY: lint
 lint: ## gofmt and go vet.
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi

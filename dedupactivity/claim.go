@@ -55,13 +55,13 @@ type stored struct {
 //
 // The steps, on one pooled connection, in one READ COMMITTED transaction:
 //
-//  1. One round trip (a multi-statement simple query sent as the
-//     transaction's BEGIN): BEGIN, bound lock_timeout by the claim wait,
-//     INSERT the marker ON CONFLICT DO NOTHING RETURNING, and restore
-//     lock_timeout if a row came back, else raise SQLSTATE DDUP1. If a
-//     concurrent attempt holds the same identity, the INSERT waits for its
-//     transaction: if it commits, this is a duplicate; if it rolls back,
-//     this attempt claims the event.
+//  1. One round trip (a simple query sent as the transaction's BEGIN):
+//     BEGIN, and the claim function, which bounds lock_timeout by the claim
+//     wait, INSERTs the marker ON CONFLICT DO NOTHING RETURNING, and
+//     restores lock_timeout if a row came back, else raises SQLSTATE DDUP1.
+//     If a concurrent attempt holds the same identity, the INSERT waits for
+//     its transaction: if it commits, this is a duplicate; if it rolls
+//     back, this attempt claims the event.
 //  2. Claimed: run the effect through the same pgx.Tx, then one round trip
 //     that stores the result and COMMITs. Any error or panic rolls
 //     everything back, marker included, so the event stays available for
@@ -139,31 +139,22 @@ func (d *Deduper) apply(ctx context.Context, ev *event, rec *record, fn applyFun
 // claimed (migration 002).
 const duplicateState = "DDUP1"
 
-// claimSQL is the claim, sent as the transaction's BEGIN query: several
-// statements in one simple-protocol round trip. The simple protocol takes no
-// parameters, so every value is a literal built only from hex digits,
-// numbers and a timestamp: nothing in an identity or input reaches the SQL
-// text as such.
+// claimSQL is the claim, sent as the transaction's BEGIN query: BEGIN and a
+// call of the claim function (migration 002) in one simple-protocol round
+// trip. The simple protocol takes no parameters, so every value is a literal
+// built only from hex digits, numbers and a timestamp: nothing in an
+// identity or input reaches the SQL text as such.
 func (d *Deduper) claimSQL(ctx context.Context, ev *event) string {
 	minExpiry := "NULL"
 	if !ev.minExpiry.IsZero() {
-		minExpiry = "'" + ev.minExpiry.UTC().Format(time.RFC3339Nano) + "'::timestamptz"
+		minExpiry = "'" + ev.minExpiry.UTC().Format(time.RFC3339Nano) + "'"
 	}
 	var b strings.Builder
-	b.Grow(768 + 2*len(ev.enc))
-	b.WriteString("BEGIN ISOLATION LEVEL READ COMMITTED;\n")
-	b.WriteString("SELECT set_config('dedupactivity.lock_timeout', current_setting('lock_timeout'), true);\n")
-	fmt.Fprintf(&b, "SET LOCAL lock_timeout = '%dms';\n", claimWait(ctx, d.opts.ClaimWait).Milliseconds())
-	fmt.Fprintf(&b, `WITH ins AS (
-	INSERT INTO %s (id_hash, identity, activity_type, fingerprint, fingerprint_alg, attempt, expires_at)
-	VALUES (%s, %s, %s, %s, %d, %d, GREATEST(now() + make_interval(secs => %s), %s))
-	ON CONFLICT (id_hash) DO NOTHING
-	RETURNING true)
-SELECT CASE WHEN EXISTS (SELECT FROM ins)
-	THEN set_config('lock_timeout', current_setting('dedupactivity.lock_timeout'), true)
-	ELSE %s() END`,
-		d.table, hexLiteral(ev.hash[:]), hexLiteral(ev.enc), textLiteral(ev.activityType), hexLiteral(ev.fingerprint),
-		fingerprintAlgSHA256JSON, ev.attempt, strconv.FormatFloat(ev.retention.Seconds(), 'f', 3, 64), minExpiry, d.duplicateFunc)
+	b.Grow(256 + 2*len(ev.enc))
+	fmt.Fprintf(&b, "BEGIN ISOLATION LEVEL READ COMMITTED; SELECT %s(%s, %s, %s, %s, %d::smallint, %d, %s, %s::timestamptz, '%dms')",
+		d.claimFunc, hexLiteral(ev.hash[:]), hexLiteral(ev.enc), textLiteral(ev.activityType), hexLiteral(ev.fingerprint),
+		fingerprintAlgSHA256JSON, ev.attempt, strconv.FormatFloat(ev.retention.Seconds(), 'f', 3, 64), minExpiry,
+		claimWait(ctx, d.opts.ClaimWait).Milliseconds())
 	return b.String()
 }
 

@@ -16,11 +16,10 @@ type Deduper struct {
 	pool  *pgxpool.Pool
 	opts  Options
 	table string // schema-qualified, quoted table name
-	// duplicateFunc is the qualified name of the function the claim raises
-	// DDUP1 with.
-	duplicateFunc string
-	q             queries
-	tel           *telemetry
+	// claimFunc is the qualified name of the claim function.
+	claimFunc string
+	q         queries
+	tel       *telemetry
 
 	// afterClaim, when set (tests only), runs after the marker insert and
 	// before the effect, inside the claim transaction.
@@ -48,7 +47,7 @@ func New(pool *pgxpool.Pool, opts Options) (*Deduper, error) {
 		return pgx.Identifier{name}.Sanitize()
 	}
 	table := qualify(opts.Table)
-	return &Deduper{pool: pool, opts: opts, table: table, duplicateFunc: qualify(opts.Table + "_duplicate"), q: newQueries(table), tel: tel}, nil
+	return &Deduper{pool: pool, opts: opts, table: table, claimFunc: qualify(opts.Table + "_claim"), q: newQueries(table), tel: tel}, nil
 }
 
 // Options returns the Deduper's options with defaults filled in.
@@ -98,7 +97,7 @@ func translate(err error) error {
 	var pgErr interface{ SQLState() string }
 	if errors.As(err, &pgErr) {
 		switch pgErr.SQLState() {
-		case "42P01": // undefined_table
+		case "42P01", "42883": // undefined_table, undefined_function (the claim)
 			return fmt.Errorf("%w: %w", ErrNotMigrated, err)
 		case "55P03": // lock_not_available: lock_timeout expired
 			return fmt.Errorf("%w: %w", ErrClaimTimeout, err)

@@ -38,6 +38,11 @@ type testBundle struct {
 // small ledger.
 func setup(t *testing.T, opts dedupactivity.Options) *testBundle {
 	t.Helper()
+	return setupTB(t, opts)
+}
+
+func setupTB(t testing.TB, opts dedupactivity.Options) *testBundle {
+	t.Helper()
 	s := pgtest.NewSchema(t)
 	ctx := context.Background()
 	d, err := dedupactivity.New(s.Pool, opts)
@@ -62,7 +67,7 @@ func (b *testBundle) post(ctx context.Context, tx pgx.Tx, in Transfer) (Posting,
 	return p, err
 }
 
-func (b *testBundle) count(t *testing.T, query string, args ...any) int64 {
+func (b *testBundle) count(t testing.TB, query string, args ...any) int64 {
 	t.Helper()
 	var n int64
 	require.NoError(t, b.pool.QueryRow(context.Background(), query, args...).Scan(&n))

@@ -21,6 +21,6 @@ CREATE TABLE dedup_marker (
     -- When the marker may be forgotten (see Options.Retention).
     expires_at       timestamptz NOT NULL,
     CONSTRAINT dedup_marker_id_hash_len CHECK (octet_length(id_hash) = 32)
-);
+) WITH (fillfactor = 80); -- room for the result UPDATE to stay a HOT update
 
 CREATE INDEX dedup_marker_expires_at_idx ON dedup_marker (expires_at);

@@ -215,7 +215,9 @@ func versionOf(initdb string) int {
 type Cluster struct {
 	Dir  string
 	Port int
-	bin  string
+	// extra server options, appended after the defaults (later -c wins).
+	extra string
+	bin   string
 	user string // OS user running the server; "" for the current user
 }
 
@@ -225,7 +227,9 @@ func (c *Cluster) URL() string {
 }
 
 // StartCluster initialises and starts a cluster in a new temporary directory.
-func StartCluster() (*Cluster, error) {
+// The server runs with fsync and synchronous_commit off (tests need speed, not
+// durability); extra server options (e.g. "-c fsync=on") override that.
+func StartCluster(extra ...string) (*Cluster, error) {
 	bin, err := BinDir()
 	if err != nil {
 		return nil, err
@@ -234,7 +238,7 @@ func StartCluster() (*Cluster, error) {
 	if err != nil {
 		return nil, err
 	}
-	c := &Cluster{Dir: dir, bin: bin}
+	c := &Cluster{Dir: dir, bin: bin, extra: strings.Join(extra, " ")}
 	if os.Geteuid() == 0 {
 		// initdb refuses to run as root.
 		if _, err := user.Lookup("postgres"); err != nil {
@@ -264,7 +268,7 @@ func StartCluster() (*Cluster, error) {
 
 // Start starts (or restarts after Stop) the cluster's server.
 func (c *Cluster) Start() error {
-	opts := fmt.Sprintf("-p %d -k %s -c listen_addresses=127.0.0.1 -c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=300", c.Port, c.Dir)
+	opts := fmt.Sprintf("-p %d -k %s -c listen_addresses=127.0.0.1 -c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=300 %s", c.Port, c.Dir, c.extra)
 	out, err := c.run("pg_ctl", "-D", filepath.Join(c.Dir, "data"), "-l", filepath.Join(c.Dir, "server.log"), "-o", opts, "-w", "-t", "60", "start")
 	if err != nil {
 		log, _ := os.ReadFile(filepath.Join(c.Dir, "server.log"))

@@ -1,0 +1,348 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/dedupactivity/dedupactivity/dedupactivity"
+)
+
+type bench struct {
+	pool   *pgxpool.Pool
+	writes *atomic.Int64
+	d      *dedupactivity.Deduper
+}
+
+// approach delivers one event with a key; dup reports a detected duplicate.
+type approach struct {
+	name    string
+	deliver func(ctx context.Context, key string, in posting) (dup bool, err error)
+}
+
+type posting struct {
+	Key     string
+	Account int
+	Amount  int64
+}
+
+type receipt struct {
+	EntryID int64
+	Balance int64
+}
+
+func (b *bench) setup(ctx context.Context) error {
+	_, err := b.pool.Exec(ctx, `
+CREATE TABLE account (id int PRIMARY KEY, balance bigint NOT NULL);
+INSERT INTO account SELECT g, 0 FROM generate_series(0, 999) g;
+CREATE TABLE ledger (id bigserial PRIMARY KEY, event_key text NOT NULL, account int NOT NULL, amount bigint NOT NULL);
+CREATE INDEX ON ledger (event_key);
+CREATE TABLE idem_status (key text PRIMARY KEY, status text NOT NULL, result bytea, updated_at timestamptz NOT NULL DEFAULT now());
+CREATE TABLE processed (key text PRIMARY KEY, result bytea);`)
+	if err != nil {
+		return fmt.Errorf("schema: %w", err)
+	}
+	b.d, err = dedupactivity.New(b.pool, dedupactivity.Options{ClaimWait: 30 * time.Second})
+	if err != nil {
+		return err
+	}
+	return b.d.Migrate(ctx)
+}
+
+// effect is the same for every approach: a ledger row and a balance update.
+func effect(ctx context.Context, tx pgx.Tx, in posting) (receipt, error) {
+	var r receipt
+	if err := tx.QueryRow(ctx, `INSERT INTO ledger (event_key, account, amount) VALUES ($1, $2, $3) RETURNING id`, in.Key, in.Account, in.Amount).Scan(&r.EntryID); err != nil {
+		return r, err
+	}
+	err := tx.QueryRow(ctx, `UPDATE account SET balance = balance + $2 WHERE id = $1 RETURNING balance`, in.Account, in.Amount).Scan(&r.Balance)
+	return r, err
+}
+
+func (b *bench) approaches() []approach {
+	return []approach{
+		{"bare", func(ctx context.Context, key string, in posting) (bool, error) {
+			return false, pgx.BeginFunc(ctx, b.pool, func(tx pgx.Tx) error {
+				_, err := effect(ctx, tx, in)
+				return err
+			})
+		}},
+		{"dedupactivity", func(ctx context.Context, key string, in posting) (bool, error) {
+			id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, Namespace: "bench", ActivityType: "Post", Key: key}
+			_, outcome, err := dedupactivity.Do(ctx, b.d, id, in, effect)
+			return outcome == dedupactivity.OutcomeDuplicate, err
+		}},
+		{"status-record", func(ctx context.Context, key string, in posting) (bool, error) {
+			tag, err := b.pool.Exec(ctx, `INSERT INTO idem_status (key, status) VALUES ($1, 'in_progress') ON CONFLICT (key) DO NOTHING`, key)
+			if err != nil {
+				return false, err
+			}
+			if tag.RowsAffected() == 0 {
+				var status string
+				var result []byte
+				if err := b.pool.QueryRow(ctx, `SELECT status, result FROM idem_status WHERE key = $1`, key).Scan(&status, &result); err != nil {
+					return false, err
+				}
+				if status == "complete" {
+					return true, nil
+				}
+				return false, errInProgress
+			}
+			var r receipt
+			err = pgx.BeginFunc(ctx, b.pool, func(tx pgx.Tx) error {
+				r, err = effect(ctx, tx, in)
+				return err
+			})
+			if err != nil {
+				_, _ = b.pool.Exec(ctx, `DELETE FROM idem_status WHERE key = $1`, key)
+				return false, err
+			}
+			_, err = b.pool.Exec(ctx, `UPDATE idem_status SET status = 'complete', result = $2, updated_at = now() WHERE key = $1`, key, encode(r))
+			return false, err
+		}},
+		{"check-then-insert", func(ctx context.Context, key string, in posting) (bool, error) {
+			var exists bool
+			if err := b.pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM processed WHERE key = $1)`, key).Scan(&exists); err != nil {
+				return false, err
+			}
+			if exists {
+				return true, nil
+			}
+			return false, pgx.BeginFunc(ctx, b.pool, func(tx pgx.Tx) error {
+				r, err := effect(ctx, tx, in)
+				if err != nil {
+					return err
+				}
+				_, err = tx.Exec(ctx, `INSERT INTO processed (key, result) VALUES ($1, $2)`, key, encode(r))
+				return err
+			})
+		}},
+	}
+}
+
+func encode(r receipt) []byte { return []byte(fmt.Sprintf(`{"EntryID":%d,"Balance":%d}`, r.EntryID, r.Balance)) }
+
+func newPosting(key string) posting {
+	return posting{Key: key, Account: rand.IntN(accounts), Amount: 1 + rand.Int64N(100)}
+}
+
+// cell accumulates one approach at one concurrency level over the rounds.
+type cell struct {
+	approach  string
+	conc      int
+	events    int
+	elapsed   time.Duration
+	latencies []time.Duration
+	errors    int
+}
+
+func (c *cell) throughput() float64 { return float64(c.events) / c.elapsed.Seconds() }
+
+func (c *cell) pct(p float64) time.Duration { return percentile(c.latencies, p) }
+
+func percentile(ls []time.Duration, p float64) time.Duration {
+	if len(ls) == 0 {
+		return 0
+	}
+	s := append([]time.Duration(nil), ls...)
+	sort.Slice(s, func(i, j int) bool { return s[i] < s[j] })
+	return s[min(len(s)-1, int(p*float64(len(s))))]
+}
+
+// load runs first deliveries of new events from conc goroutines for d.
+func (b *bench) load(ctx context.Context, a approach, conc int, d time.Duration, round string, c *cell) error {
+	var (
+		wg     sync.WaitGroup
+		mu     sync.Mutex
+		seq    atomic.Int64
+		failed atomic.Int64
+	)
+	start := time.Now()
+	deadline := start.Add(d)
+	for g := range conc {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			var ls []time.Duration
+			for time.Now().Before(deadline) {
+				key := fmt.Sprintf("%s-%s-%d-%d-%d", a.name, round, conc, g, seq.Add(1))
+				t0 := time.Now()
+				if _, err := a.deliver(ctx, key, newPosting(key)); err != nil {
+					failed.Add(1)
+					continue
+				}
+				ls = append(ls, time.Since(t0))
+			}
+			mu.Lock()
+			c.latencies = append(c.latencies, ls...)
+			c.events += len(ls)
+			mu.Unlock()
+		}()
+	}
+	wg.Wait()
+	c.elapsed += time.Since(start)
+	c.errors += int(failed.Load())
+	if failed.Load() > 0 {
+		return fmt.Errorf("%d deliveries failed", failed.Load())
+	}
+	return nil
+}
+
+// roundTrips counts client round trips of one first delivery and one
+// duplicate delivery, on a warm connection.
+func (b *bench) roundTrips(ctx context.Context, a approach) (first, dup int64, err error) {
+	conn, err := b.pool.Acquire(ctx) // keep every other connection busy: one warm conn
+	if err != nil {
+		return 0, 0, err
+	}
+	conn.Release()
+	measure := func(key string) (int64, error) {
+		in := posting{Key: key, Account: 1, Amount: 1}
+		before := b.writes.Load()
+		_, err := a.deliver(ctx, key, in)
+		return b.writes.Load() - before, err
+	}
+	for i := range 3 { // warm prepared statements on the pool's connections
+		if _, err := measure(fmt.Sprintf("rt-warm-%s-%d", a.name, i)); err != nil {
+			return 0, 0, err
+		}
+	}
+	key := "rt-" + a.name
+	if first, err = measure(key); err != nil {
+		return 0, 0, err
+	}
+	dup, err = measure(key)
+	return first, dup, err
+}
+
+// doubleDelivery delivers n events twice each, the two deliveries started
+// together, 16 events at a time, and counts events whose effect applied
+// twice, and deliveries that failed (and would need a retry).
+func (b *bench) doubleDelivery(ctx context.Context, a approach, n int) (doubles, failed int, err error) {
+	var fails atomic.Int64
+	events := make(chan int)
+	var workers sync.WaitGroup
+	prefix := "dd-" + a.name + "-"
+	for range 16 {
+		workers.Add(1)
+		go func() {
+			defer workers.Done()
+			for i := range events {
+				key := fmt.Sprintf("%s%d", prefix, i)
+				in := newPosting(key)
+				var pair sync.WaitGroup
+				start := make(chan struct{})
+				for range 2 {
+					pair.Add(1)
+					go func() {
+						defer pair.Done()
+						<-start
+						if _, err := a.deliver(ctx, key, in); err != nil {
+							fails.Add(1)
+						}
+					}()
+				}
+				close(start)
+				pair.Wait()
+			}
+		}()
+	}
+	for i := range n {
+		events <- i
+	}
+	close(events)
+	workers.Wait()
+	err = b.pool.QueryRow(ctx, `SELECT count(*) FROM (SELECT event_key FROM ledger WHERE event_key LIKE $1 GROUP BY event_key HAVING count(*) > 1) d`, prefix+"%").Scan(&doubles)
+	return doubles, int(fails.Load()), err
+}
+
+// duplicatePath measures, at concurrency 1, dedupactivity's first delivery
+// and redelivery latency (p50).
+func (b *bench) duplicatePath(ctx context.Context, n int) (first, dup time.Duration, err error) {
+	a := b.approaches()[1]
+	var fl, dl []time.Duration
+	for i := range n {
+		key := fmt.Sprintf("dup-%d", i)
+		in := newPosting(key)
+		t0 := time.Now()
+		if _, err := a.deliver(ctx, key, in); err != nil {
+			return 0, 0, err
+		}
+		fl = append(fl, time.Since(t0))
+		t0 = time.Now()
+		isDup, err := a.deliver(ctx, key, in)
+		if err != nil {
+			return 0, 0, err
+		}
+		if !isDup {
+			return 0, 0, errors.New("redelivery was not a duplicate")
+		}
+		dl = append(dl, time.Since(t0))
+	}
+	return percentile(fl, 0.5), percentile(dl, 0.5), nil
+}
+
+// largeTable measures the claim (with an empty effect) on an empty marker
+// table and on one holding n markers, and the bytes per marker on disk.
+func (b *bench) largeTable(ctx context.Context, n int) (empty, full time.Duration, bytesPer float64, err error) {
+	d, err := dedupactivity.New(b.pool, dedupactivity.Options{Table: "dedup_big"})
+	if err != nil {
+		return 0, 0, 0, err
+	}
+	if err := d.Migrate(ctx); err != nil {
+		return 0, 0, 0, err
+	}
+	noop := func(context.Context, pgx.Tx, posting) (receipt, error) { return receipt{EntryID: 1, Balance: 2}, nil }
+	measure := func(tag string) (time.Duration, error) {
+		var ls []time.Duration
+		for round := range 3 {
+			for i := range 300 {
+				key := fmt.Sprintf("big-%s-%d-%d", tag, round, i)
+				id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, Namespace: "bench", ActivityType: "Post", Key: key}
+				t0 := time.Now()
+				if _, _, err := dedupactivity.Do(ctx, d, id, newPosting(key), noop); err != nil {
+					return 0, err
+				}
+				ls = append(ls, time.Since(t0))
+			}
+		}
+		return percentile(ls, 0.5), nil
+	}
+	if empty, err = measure("empty"); err != nil {
+		return 0, 0, 0, err
+	}
+	// Realistic rows: hash, a run-scoped identity (~80 bytes), a fingerprint
+	// and a ~60-byte stored result.
+	const batch = 500_000
+	for lo := 0; lo < n; lo += batch {
+		hi := min(n, lo+batch)
+		if _, err := b.pool.Exec(ctx, `
+INSERT INTO dedup_big (id_hash, identity, activity_type, fingerprint, fingerprint_alg, result, attempt, expires_at)
+SELECT sha256(int8send(g)), convert_to('default/transfer-' || g || '/6f1c2a3e-9b7d-4c21-8a55-' || lpad(g::text, 12, '0') || '/5', 'UTF8'),
+       'Post', sha256(int8send(-g)), 1, convert_to('{"EntryID":' || g || ',"Balance":' || (g % 100000) || '}', 'UTF8'), 1,
+       now() + interval '30 days'
+FROM generate_series($1::bigint, $2::bigint - 1) g`, lo, hi); err != nil {
+			return 0, 0, 0, fmt.Errorf("fill markers: %w", err)
+		}
+		fmt.Printf("  %d/%d markers\n", hi, n)
+	}
+	if _, err := b.pool.Exec(ctx, `VACUUM ANALYZE dedup_big`); err != nil {
+		return 0, 0, 0, err
+	}
+	if full, err = measure("full"); err != nil {
+		return 0, 0, 0, err
+	}
+	var size, rows int64
+	if err := b.pool.QueryRow(ctx, `SELECT pg_total_relation_size('dedup_big'), (SELECT count(*) FROM dedup_big)`).Scan(&size, &rows); err != nil {
+		return 0, 0, 0, err
+	}
+	return empty, full, float64(size) / float64(rows), nil
+}

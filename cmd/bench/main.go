@@ -1,0 +1,223 @@
+// Command bench measures what exactly-once costs, side by side with what
+// users would do instead, on a real PostgreSQL, in one process, interleaved
+// so that machine noise hits every approach alike:
+//
+//   - bare: the effect in a transaction, no deduplication (unsafe lower bound);
+//   - dedupactivity: claim + effect + stored result in one transaction;
+//   - status-record: claim an IN_PROGRESS row in its own transaction, the
+//     effect in a second, then mark it COMPLETE (the usual generic
+//     idempotency-library shape);
+//   - check-then-insert: SELECT the key, then the effect plus a plain INSERT
+//     of the key (what people write by hand).
+//
+// The effect is an INSERT of a ledger row plus an UPDATE of a balance row.
+// It writes docs/bench.md and docs/bench.png. Run it with make bench.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"slices"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/dedupactivity/dedupactivity/internal/pgtest"
+)
+
+func main() {
+	if err := run(); err != nil {
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		os.Exit(1)
+	}
+}
+
+type config struct {
+	duration   time.Duration
+	rounds     int
+	levels     []int
+	markers    int
+	doubles    int
+	out        string
+	temporal   bool
+	activities int
+}
+
+const accounts = 1000
+
+func run() error {
+	var cfg config
+	var levels string
+	flag.DurationVar(&cfg.duration, "duration", 2*time.Second, "time per approach per concurrency level per round")
+	flag.IntVar(&cfg.rounds, "rounds", 3, "interleaved rounds")
+	flag.StringVar(&levels, "concurrency", "1,8,32", "concurrency levels")
+	flag.IntVar(&cfg.markers, "markers", 10_000_000, "markers in the table for the large-table claim measurement")
+	flag.IntVar(&cfg.doubles, "doubles", 300, "events delivered twice concurrently, per approach")
+	flag.StringVar(&cfg.out, "out", "docs", "directory for bench.md and bench.png")
+	flag.BoolVar(&cfg.temporal, "temporal", true, "also measure wrapped vs unwrapped activity throughput on a Temporal dev server")
+	flag.IntVar(&cfg.activities, "activities", 400, "activities per Temporal measurement")
+	flag.Parse()
+	for _, l := range strings.Split(levels, ",") {
+		var n int
+		if _, err := fmt.Sscan(l, &n); err != nil || n < 1 {
+			return fmt.Errorf("bad -concurrency %q", levels)
+		}
+		cfg.levels = append(cfg.levels, n)
+	}
+	ctx := context.Background()
+
+	url := os.Getenv("BENCH_DATABASE_URL")
+	if url == "" {
+		fmt.Println("starting a PostgreSQL cluster from the local binaries (fsync on, synchronous_commit on)")
+		c, err := pgtest.StartCluster("-c fsync=on -c synchronous_commit=on -c full_page_writes=on -c shared_buffers=512MB")
+		if err != nil {
+			return fmt.Errorf("start PostgreSQL (or set BENCH_DATABASE_URL): %w", err)
+		}
+		defer c.Destroy() //nolint:errcheck // best effort at exit
+		url = c.URL()
+	}
+	var writes atomic.Int64
+	pool, err := openPool(ctx, url, 40, &writes)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	b := &bench{pool: pool, writes: &writes}
+	if err := b.setup(ctx); err != nil {
+		return err
+	}
+
+	rep := &report{cfg: cfg}
+	if rep.machine, err = machine(ctx, pool); err != nil {
+		return err
+	}
+	approaches := b.approaches()
+
+	fmt.Println("round trips per event ...")
+	for _, a := range approaches {
+		rt, dupRT, err := b.roundTrips(ctx, a)
+		if err != nil {
+			return fmt.Errorf("%s round trips: %w", a.name, err)
+		}
+		rep.roundTrips = append(rep.roundTrips, [3]string{a.name, fmt.Sprint(rt), fmt.Sprint(dupRT)})
+	}
+
+	fmt.Printf("throughput: %d rounds x %v x %d approaches x %v ...\n", cfg.rounds, cfg.duration, len(approaches), cfg.levels)
+	cells := map[string]*cell{}
+	for r := range cfg.rounds {
+		for _, c := range cfg.levels {
+			order := slices.Clone(approaches)
+			rand.Shuffle(len(order), func(i, j int) { order[i], order[j] = order[j], order[i] })
+			for _, a := range order {
+				key := fmt.Sprintf("%s/%d", a.name, c)
+				if cells[key] == nil {
+					cells[key] = &cell{approach: a.name, conc: c}
+				}
+				if err := b.load(ctx, a, c, cfg.duration, fmt.Sprintf("r%d", r), cells[key]); err != nil {
+					return fmt.Errorf("%s at %d: %w", a.name, c, err)
+				}
+			}
+		}
+		fmt.Printf("  round %d/%d done\n", r+1, cfg.rounds)
+	}
+	for _, a := range approaches {
+		for _, c := range cfg.levels {
+			rep.cells = append(rep.cells, cells[fmt.Sprintf("%s/%d", a.name, c)])
+		}
+	}
+
+	fmt.Println("double delivery ...")
+	for _, a := range approaches {
+		d, failed, err := b.doubleDelivery(ctx, a, cfg.doubles)
+		if err != nil {
+			return fmt.Errorf("%s double delivery: %w", a.name, err)
+		}
+		rep.doubles = append(rep.doubles, [3]string{a.name, fmt.Sprint(d), fmt.Sprint(failed)})
+	}
+
+	fmt.Println("duplicate path ...")
+	if rep.firstP50, rep.dupP50, err = b.duplicatePath(ctx, 500); err != nil {
+		return err
+	}
+
+	fmt.Printf("claim latency with 0 and %d markers ...\n", cfg.markers)
+	if rep.emptyP50, rep.fullP50, rep.bytesPerMarker, err = b.largeTable(ctx, cfg.markers); err != nil {
+		return err
+	}
+
+	if cfg.temporal {
+		fmt.Println("Temporal dev server: wrapped vs unwrapped activity throughput ...")
+		if rep.temporal, err = temporalThroughput(ctx, url, cfg.activities); err != nil {
+			return fmt.Errorf("temporal: %w", err)
+		}
+	}
+	return rep.write()
+}
+
+func openPool(ctx context.Context, url string, maxConns int32, writes *atomic.Int64) (*pgxpool.Pool, error) {
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return nil, err
+	}
+	cfg.MaxConns = maxConns
+	dial := cfg.ConnConfig.DialFunc
+	cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+		c, err := dial(ctx, network, addr)
+		if err != nil {
+			return nil, err
+		}
+		return countingConn{Conn: c, writes: writes}, nil
+	}
+	return pgxpool.NewWithConfig(ctx, cfg)
+}
+
+// countingConn counts client writes: one per round trip, since pgx sends a
+// query, batch or pipeline in one write and then waits for the answer.
+type countingConn struct {
+	net.Conn
+	writes *atomic.Int64
+}
+
+func (c countingConn) Write(p []byte) (int, error) {
+	c.writes.Add(1)
+	return c.Conn.Write(p)
+}
+
+func machine(ctx context.Context, pool *pgxpool.Pool) (string, error) {
+	var pg string
+	if err := pool.QueryRow(ctx, `SHOW server_version`).Scan(&pg); err != nil {
+		return "", err
+	}
+	cpu := "unknown CPU"
+	if raw, err := os.ReadFile("/proc/cpuinfo"); err == nil {
+		for _, l := range strings.Split(string(raw), "\n") {
+			if strings.HasPrefix(l, "model name") {
+				cpu = strings.TrimSpace(strings.SplitN(l, ":", 2)[1])
+				break
+			}
+		}
+	}
+	return fmt.Sprintf("%d cores (%s), %s, PostgreSQL %s on the same machine (fsync on)", runtime.NumCPU(), cpu, runtime.Version(), pg), nil
+}
+
+func gitDescribe() string {
+	out, err := exec.Command("git", "rev-parse", "--short", "HEAD").Output()
+	if err != nil {
+		return "unknown"
+	}
+	return strings.TrimSpace(string(out))
+}
+
+var errInProgress = errors.New("in progress elsewhere: retry later")
+
+func ensureDir(p string) error { return os.MkdirAll(filepath.Dir(p), 0o755) }

@@ -1,0 +1,124 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"go.temporal.io/sdk/activity"
+	"go.temporal.io/sdk/client"
+	"go.temporal.io/sdk/worker"
+	"go.temporal.io/sdk/workflow"
+
+	"github.com/dedupactivity/dedupactivity/dedupactivity"
+	"github.com/dedupactivity/dedupactivity/internal/ledgerworker"
+	"github.com/dedupactivity/dedupactivity/internal/temporaltest"
+)
+
+type temporalResult struct {
+	bare, wrapped float64 // activities per second
+	activities    int
+	rounds        int
+}
+
+// fanOut runs n activities of the given type at once and waits for all.
+func fanOut(ctx workflow.Context, activityType, prefix string, n int) error {
+	ctx = workflow.WithActivityOptions(ctx, workflow.ActivityOptions{StartToCloseTimeout: time.Minute})
+	futures := make([]workflow.Future, n)
+	for i := range n {
+		key := fmt.Sprintf("%s-%d", prefix, i)
+		futures[i] = workflow.ExecuteActivity(ctx, activityType, posting{Key: key, Account: i % accounts, Amount: 1})
+	}
+	for _, f := range futures {
+		if err := f.Get(ctx, nil); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// temporalThroughput compares, on a real dev server, a wrapped activity with
+// the same effect unwrapped: ABBA-interleaved rounds of total activities.
+func temporalThroughput(ctx context.Context, url string, total int) (temporalResult, error) {
+	res := temporalResult{activities: total, rounds: 2}
+	srv, err := temporaltest.Start(ctx, temporaltest.Options{})
+	if err != nil {
+		return res, err
+	}
+	defer srv.Stop() //nolint:errcheck // best effort at exit
+	pool, err := ledgerworker.OpenPool(ctx, ledgerworker.Config{DatabaseURL: url, MaxConcurrentActivities: 64})
+	if err != nil {
+		return res, err
+	}
+	defer pool.Close()
+	d, err := dedupactivity.New(pool, dedupactivity.Options{Table: "dedup_temporal"})
+	if err != nil {
+		return res, err
+	}
+	if err := d.Migrate(ctx); err != nil {
+		return res, err
+	}
+	c, err := srv.Dial()
+	if err != nil {
+		return res, err
+	}
+	defer c.Close()
+	const taskQueue = "bench"
+	w := worker.New(c, taskQueue, worker.Options{MaxConcurrentActivityExecutionSize: 64})
+	w.RegisterWorkflowWithOptions(fanOut, workflow.RegisterOptions{Name: "FanOut"})
+	w.RegisterActivityWithOptions(func(ctx context.Context, in posting) (receipt, error) {
+		var r receipt
+		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			var err error
+			r, err = effect(ctx, tx, in)
+			return err
+		})
+		return r, err
+	}, activity.RegisterOptions{Name: "Bare"})
+	dedupactivity.Register(w, d, "Wrapped", effect)
+	if err := w.Start(); err != nil {
+		return res, err
+	}
+	defer w.Stop()
+
+	const workflows = 8
+	measure := func(activityType string, round int) (time.Duration, error) {
+		t0 := time.Now()
+		runs := make([]client.WorkflowRun, workflows)
+		for i := range workflows {
+			id := fmt.Sprintf("bench-%s-%d-%d-%d", activityType, round, i, time.Now().UnixNano())
+			run, err := c.ExecuteWorkflow(ctx, client.StartWorkflowOptions{ID: id, TaskQueue: taskQueue}, "FanOut", activityType, id, total/workflows)
+			if err != nil {
+				return 0, err
+			}
+			runs[i] = run
+		}
+		for _, r := range runs {
+			if err := r.Get(ctx, nil); err != nil {
+				return 0, err
+			}
+		}
+		return time.Since(t0), nil
+	}
+	if _, err := measure("Bare", -1); err != nil { // warm up
+		return res, err
+	}
+	var bareT, wrappedT time.Duration
+	for r := range res.rounds {
+		for _, ty := range []string{"Bare", "Wrapped", "Wrapped", "Bare"} {
+			dt, err := measure(ty, r)
+			if err != nil {
+				return res, err
+			}
+			if ty == "Bare" {
+				bareT += dt
+			} else {
+				wrappedT += dt
+			}
+		}
+	}
+	n := float64(total * 2 * res.rounds)
+	res.bare, res.wrapped = n/bareT.Seconds(), n/wrappedT.Seconds()
+	return res, nil
+}

@@ -1,0 +1,52 @@
+package dedupactivity_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/dedupactivity/dedupactivity/dedupactivity"
+)
+
+// Go benchmarks of the claim against the test cluster (fsync off, so they
+// show CPU and round-trip cost, not disk). cmd/bench (make bench) compares
+// the approaches on a durable server.
+
+func benchSetup(b *testing.B, opts dedupactivity.Options) *testBundle {
+	b.Helper()
+	return setupTB(b, opts)
+}
+
+func BenchmarkBare(b *testing.B) {
+	tb := benchSetup(b, dedupactivity.Options{})
+	ctx := context.Background()
+	for b.Loop() {
+		require.NoError(b, pgx.BeginFunc(ctx, tb.pool, func(tx pgx.Tx) error {
+			_, err := tb.post(ctx, tx, Transfer{Account: "a", Amount: 1})
+			return err
+		}))
+	}
+}
+
+func benchDo(b *testing.B, opts dedupactivity.Options, duplicate bool) {
+	tb := benchSetup(b, opts)
+	ctx := context.Background()
+	i := 0
+	for b.Loop() {
+		key := fmt.Sprint(i)
+		if duplicate {
+			key = "same"
+		}
+		i++
+		id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: key}
+		_, _, err := dedupactivity.Do(ctx, tb.d, id, Transfer{Account: "a", Amount: 1}, tb.post)
+		require.NoError(b, err)
+	}
+}
+
+func BenchmarkDo(b *testing.B)               { benchDo(b, dedupactivity.Options{}, false) }
+func BenchmarkDoDiscardResults(b *testing.B) { benchDo(b, dedupactivity.Options{DiscardResults: true}, false) }
+func BenchmarkDoDuplicate(b *testing.B)      { benchDo(b, dedupactivity.Options{}, true) }

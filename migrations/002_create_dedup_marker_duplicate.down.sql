@@ -1,1 +1,0 @@
-DROP FUNCTION IF EXISTS dedup_marker_duplicate();
