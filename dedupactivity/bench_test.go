@@ -47,6 +47,8 @@ func benchDo(b *testing.B, opts dedupactivity.Options, duplicate bool) {
 	}
 }
 
-func BenchmarkDo(b *testing.B)               { benchDo(b, dedupactivity.Options{}, false) }
-func BenchmarkDoDiscardResults(b *testing.B) { benchDo(b, dedupactivity.Options{DiscardResults: true}, false) }
-func BenchmarkDoDuplicate(b *testing.B)      { benchDo(b, dedupactivity.Options{}, true) }
+func BenchmarkDo(b *testing.B) { benchDo(b, dedupactivity.Options{}, false) }
+func BenchmarkDoDiscardResults(b *testing.B) {
+	benchDo(b, dedupactivity.Options{DiscardResults: true}, false)
+}
+func BenchmarkDoDuplicate(b *testing.B) { benchDo(b, dedupactivity.Options{}, true) }

@@ -128,7 +128,9 @@ func (b *bench) approaches() []approach {
 	}
 }
 
-func encode(r receipt) []byte { return []byte(fmt.Sprintf(`{"EntryID":%d,"Balance":%d}`, r.EntryID, r.Balance)) }
+func encode(r receipt) []byte {
+	return []byte(fmt.Sprintf(`{"EntryID":%d,"Balance":%d}`, r.EntryID, r.Balance))
+}
 
 func newPosting(key string) posting {
 	return posting{Key: key, Account: rand.IntN(accounts), Amount: 1 + rand.Int64N(100)}

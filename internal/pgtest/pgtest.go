@@ -218,7 +218,7 @@ type Cluster struct {
 	// extra server options, appended after the defaults (later -c wins).
 	extra string
 	bin   string
-	user string // OS user running the server; "" for the current user
+	user  string // OS user running the server; "" for the current user
 }
 
 // URL connects to the cluster as the postgres superuser.
