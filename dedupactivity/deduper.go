@@ -53,29 +53,6 @@ func New(pool *pgxpool.Pool, opts Options) (*Deduper, error) {
 // Options returns the Deduper's options with defaults filled in.
 func (d *Deduper) Options() Options { return d.opts }
 
-// PruneBatchSize is how many expired markers one Prune statement deletes.
-// Small batches keep each delete's locks and WAL short, so concurrent claims
-// are not held up.
-const PruneBatchSize = 1000
-
-// Prune deletes expired markers (expires_at in the past) in batches of
-// PruneBatchSize, each in its own short transaction, until none are left or
-// ctx is done. Rows locked by a concurrent pruner are skipped, so it is safe
-// to run from many workers at once. It returns how many markers it deleted.
-func (d *Deduper) Prune(ctx context.Context) (int64, error) {
-	var deleted int64
-	for {
-		tag, err := d.pool.Exec(ctx, d.q.prune, PruneBatchSize)
-		if err != nil {
-			return deleted, fmt.Errorf("dedupactivity: prune: %w", translate(err))
-		}
-		deleted += tag.RowsAffected()
-		if tag.RowsAffected() < PruneBatchSize {
-			return deleted, nil
-		}
-	}
-}
-
 // queries holds the SQL with the table name filled in once.
 type queries struct {
 	selectStoredLiteral, storeResult, prune string

@@ -7,6 +7,8 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"go.temporal.io/sdk/temporal"
+	"go.temporal.io/sdk/workflow"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 	"github.com/dedupactivity/dedupactivity/internal/pgtest"
@@ -125,4 +127,27 @@ FROM generate_series(1, 2510) g`)
 	require.NoError(t, err)
 	require.NoError(t, b.pool.QueryRow(ctx, `SELECT expires_at - claimed_at FROM dedup_marker WHERE activity_type = 'Long'`).Scan(&ttl))
 	require.InDelta(t, (48 * time.Hour).Seconds(), ttl.Seconds(), 5)
+}
+
+func TestRedeliveryWarning(t *testing.T) {
+	t.Parallel()
+	day := 24 * time.Hour
+	cases := map[string]struct {
+		opts workflow.ActivityOptions
+		warn bool
+	}{
+		"ScheduleToCloseWithin": {workflow.ActivityOptions{ScheduleToCloseTimeout: time.Hour}, false},
+		"ScheduleToCloseBeyond": {workflow.ActivityOptions{ScheduleToCloseTimeout: 40 * day}, true},
+		"UnlimitedRetries":      {workflow.ActivityOptions{StartToCloseTimeout: time.Minute}, true},
+		"BoundedRetriesWithin":  {workflow.ActivityOptions{StartToCloseTimeout: time.Minute, RetryPolicy: &temporal.RetryPolicy{MaximumAttempts: 5, MaximumInterval: time.Minute}}, false},
+		"BoundedRetriesTooLong": {workflow.ActivityOptions{StartToCloseTimeout: time.Hour, RetryPolicy: &temporal.RetryPolicy{MaximumAttempts: 1000, MaximumInterval: time.Hour}}, true},
+		"ZeroAttemptsUnlimited": {workflow.ActivityOptions{StartToCloseTimeout: time.Minute, RetryPolicy: &temporal.RetryPolicy{}}, true},
+	}
+	for name, c := range cases {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			w := dedupactivity.RedeliveryWarning("Post", c.opts, dedupactivity.DefaultRetention)
+			require.Equal(t, c.warn, w != "", w)
+		})
+	}
 }

@@ -32,22 +32,30 @@ type TransferResult struct {
 	Credit activities.Receipt
 }
 
-// TransferWorkflow debits one account and credits another, each through a
-// dedup-wrapped activity.
-func TransferWorkflow(ctx workflow.Context, req TransferRequest) (TransferResult, error) {
-	stc := req.StartToClose
-	if stc == 0 {
-		stc = 10 * time.Second
+// ActivityOptions are the options TransferWorkflow runs its activities with.
+// ScheduleToClose bounds redelivery, so markers kept for the Deduper's
+// retention (30 days by default) cover every possible redelivery; the worker
+// checks this at start (dedupactivity.RedeliveryWarning).
+func ActivityOptions(startToClose time.Duration) workflow.ActivityOptions {
+	if startToClose == 0 {
+		startToClose = 10 * time.Second
 	}
-	ctx = workflow.WithActivityOptions(ctx, workflow.ActivityOptions{
-		StartToCloseTimeout: stc,
+	return workflow.ActivityOptions{
+		StartToCloseTimeout:    startToClose,
+		ScheduleToCloseTimeout: 10 * time.Minute,
 		RetryPolicy: &temporal.RetryPolicy{
 			InitialInterval:        200 * time.Millisecond,
 			BackoffCoefficient:     2,
 			MaximumInterval:        2 * time.Second,
 			NonRetryableErrorTypes: []string{"InsufficientFunds"},
 		},
-	})
+	}
+}
+
+// TransferWorkflow debits one account and credits another, each through a
+// dedup-wrapped activity.
+func TransferWorkflow(ctx workflow.Context, req TransferRequest) (TransferResult, error) {
+	ctx = workflow.WithActivityOptions(ctx, ActivityOptions(req.StartToClose))
 	var res TransferResult
 	debit := activities.Posting{TransferID: req.TransferID, Account: req.From, Amount: req.Amount, Faults: req.Faults}
 	if err := workflow.ExecuteActivity(ctx, activities.DebitName, debit).Get(ctx, &res.Debit); err != nil {

@@ -112,3 +112,5 @@ func randomHex() string {
 	_, _ = rand.Read(b)
 	return hex.EncodeToString(b)
 }
+
+func clientTrigger() client.ScheduleTriggerOptions { return client.ScheduleTriggerOptions{} }

@@ -64,6 +64,9 @@ type Config struct {
 	MaxConcurrentActivities int
 	// Logger for the Temporal client; nil logs warnings and errors to stderr.
 	Logger tlog.Logger
+	// PruneInterval is how often the prune schedule runs (env
+	// PRUNE_INTERVAL). Defaults to 1h.
+	PruneInterval time.Duration
 	// Register, when set, registers more workflows and activities before
 	// the worker starts (tests use it).
 	Register func(r worker.Registry, d *dedupactivity.Deduper, a *activities.Activities)
@@ -71,7 +74,9 @@ type Config struct {
 
 // ConfigFromEnv reads Config from the environment, with the defaults above.
 func ConfigFromEnv() Config {
+	interval, _ := time.ParseDuration(os.Getenv("PRUNE_INTERVAL"))
 	return Config{
+		PruneInterval:   interval,
 		TemporalAddress: cmp.Or(os.Getenv("TEMPORAL_ADDRESS"), DefaultTemporalAddress),
 		Namespace:       cmp.Or(os.Getenv("TEMPORAL_NAMESPACE"), DefaultNamespace),
 		TaskQueue:       cmp.Or(os.Getenv("TASK_QUEUE"), DefaultTaskQueue),
@@ -150,6 +155,9 @@ func OpenPool(ctx context.Context, cfg Config) (*pgxpool.Pool, error) {
 	return pool, nil
 }
 
+// PruneScheduleID is the ID of the worker's prune schedule.
+func PruneScheduleID(taskQueue string) string { return "dedup-prune-" + taskQueue }
+
 // Worker is a started ledger worker.
 type Worker struct {
 	Client  client.Client
@@ -213,12 +221,23 @@ func Start(ctx context.Context, cfg Config, tel *Telemetry) (_ *Worker, err erro
 	w.RegisterWorkflowWithOptions(workflows.TransferWorkflow, workflow.RegisterOptions{Name: workflows.TransferWorkflowName})
 	acts := &activities.Activities{Pool: pool, Deduper: d}
 	acts.Register(w)
+	dedupactivity.RegisterPruner(w, d)
+	for _, name := range []string{activities.DebitName, activities.CreditName} {
+		if warning := dedupactivity.RedeliveryWarning(name, workflows.ActivityOptions(0), d.Options().Retention); warning != "" {
+			logger.Warn("dedup retention does not cover redelivery", "warning", warning)
+		}
+	}
 	if cfg.Register != nil {
 		cfg.Register(w, d, acts)
 	}
 	if err := w.Start(); err != nil {
 		c.Close()
 		return nil, fmt.Errorf("start worker: %w", err)
+	}
+	if err := dedupactivity.EnsurePruneSchedule(ctx, c, d, PruneScheduleID(cfg.TaskQueue), cfg.TaskQueue, cmp.Or(cfg.PruneInterval, time.Hour)); err != nil {
+		w.Stop()
+		c.Close()
+		return nil, err
 	}
 	return &Worker{Client: c, Pool: pool, Deduper: d, Worker: w}, nil
 }

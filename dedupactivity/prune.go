@@ -1,0 +1,148 @@
+package dedupactivity
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	enumspb "go.temporal.io/api/enums/v1"
+	"go.temporal.io/sdk/activity"
+	"go.temporal.io/sdk/client"
+	"go.temporal.io/sdk/temporal"
+	"go.temporal.io/sdk/worker"
+	"go.temporal.io/sdk/workflow"
+)
+
+// PruneBatchSize is how many expired markers one Prune statement deletes.
+// Small batches keep each delete's locks and WAL short, so concurrent claims
+// are not held up.
+const PruneBatchSize = 1000
+
+// Prune deletes expired markers (expires_at in the past) in batches of
+// PruneBatchSize, each in its own short transaction, until none are left or
+// ctx is done. Rows locked by a concurrent pruner are skipped, so it is safe
+// to run from many workers at once. It returns how many markers it deleted.
+func (d *Deduper) Prune(ctx context.Context) (int64, error) {
+	return d.prune(ctx, nil)
+}
+
+func (d *Deduper) prune(ctx context.Context, afterBatch func(deleted int64)) (int64, error) {
+	var deleted int64
+	for {
+		tag, err := d.pool.Exec(ctx, d.q.prune, PruneBatchSize)
+		if err != nil {
+			return deleted, fmt.Errorf("dedupactivity: prune: %w", translate(err))
+		}
+		deleted += tag.RowsAffected()
+		if afterBatch != nil {
+			afterBatch(deleted)
+		}
+		if tag.RowsAffected() < PruneBatchSize {
+			return deleted, nil
+		}
+	}
+}
+
+// Names under which RegisterPruner registers the pruning workflow and
+// activity. The activity name carries the table, so several Dedupers can
+// prune through one worker.
+const (
+	PruneWorkflowName     = "DedupPrune"
+	pruneActivityPrefix   = "DedupPrune:"
+	pruneHeartbeatTimeout = time.Minute
+)
+
+// PruneActivityName is the name of d's prune activity.
+func (d *Deduper) PruneActivityName() string { return pruneActivityPrefix + d.table }
+
+// PruneResult is what one pruning run did.
+type PruneResult struct {
+	Deleted int64
+}
+
+// RegisterPruner registers the pruning workflow and d's prune activity on a
+// worker, so a Temporal Schedule (EnsurePruneSchedule) can run Prune on the
+// same engine as everything else, visible in the Web UI.
+func RegisterPruner(r worker.Registry, d *Deduper) {
+	r.RegisterWorkflowWithOptions(PruneWorkflow, workflow.RegisterOptions{Name: PruneWorkflowName})
+	r.RegisterActivityWithOptions(d.pruneActivity, activity.RegisterOptions{Name: d.PruneActivityName()})
+}
+
+// pruneActivity prunes, heartbeating after each batch.
+func (d *Deduper) pruneActivity(ctx context.Context) (PruneResult, error) {
+	n, err := d.prune(ctx, func(deleted int64) { activity.RecordHeartbeat(ctx, deleted) })
+	return PruneResult{Deleted: n}, err
+}
+
+// PruneWorkflow runs one pruning activity (its name is the input).
+func PruneWorkflow(ctx workflow.Context, activityName string) (PruneResult, error) {
+	ctx = workflow.WithActivityOptions(ctx, workflow.ActivityOptions{
+		StartToCloseTimeout: time.Hour,
+		HeartbeatTimeout:    pruneHeartbeatTimeout,
+		RetryPolicy:         &temporal.RetryPolicy{MaximumAttempts: 3},
+	})
+	var res PruneResult
+	err := workflow.ExecuteActivity(ctx, activityName).Get(ctx, &res)
+	return res, err
+}
+
+// EnsurePruneSchedule creates, if it does not exist yet, a Temporal Schedule
+// with the given ID that runs PruneWorkflow for d every interval on
+// taskQueue (where RegisterPruner registered it). Overlapping runs are
+// skipped. It is idempotent and safe to call from every worker at start.
+func EnsurePruneSchedule(ctx context.Context, c client.Client, d *Deduper, scheduleID, taskQueue string, interval time.Duration) error {
+	if interval < time.Minute {
+		return fmt.Errorf("%w: prune interval must be at least 1m, got %s", ErrInvalidOptions, interval)
+	}
+	_, err := c.ScheduleClient().Create(ctx, client.ScheduleOptions{
+		ID:      scheduleID,
+		Spec:    client.ScheduleSpec{Intervals: []client.ScheduleIntervalSpec{{Every: interval}}},
+		Overlap: enumspb.SCHEDULE_OVERLAP_POLICY_SKIP,
+		Action: &client.ScheduleWorkflowAction{
+			ID:        scheduleID,
+			Workflow:  PruneWorkflowName,
+			Args:      []any{d.PruneActivityName()},
+			TaskQueue: taskQueue,
+		},
+	})
+	if errors.Is(err, temporal.ErrScheduleAlreadyRunning) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("dedupactivity: create prune schedule %q: %w", scheduleID, err)
+	}
+	return nil
+}
+
+// RedeliveryWarning says whether activity options let Temporal redeliver an
+// activity later than retention after it was scheduled, in which case a
+// late redelivery could find its marker pruned and apply the effect again.
+// It returns "" when the options bound redelivery within retention. Call it
+// at worker start for the options your workflows use, and log what it says.
+//
+// Redelivery is bounded by ScheduleToClose; without it, by StartToClose
+// times the retry policy's MaximumAttempts plus the backoff between them.
+func RedeliveryWarning(activityType string, opts workflow.ActivityOptions, retention time.Duration) string {
+	if opts.ScheduleToCloseTimeout > 0 {
+		if opts.ScheduleToCloseTimeout > retention {
+			return fmt.Sprintf("activity %s: ScheduleToClose %s exceeds the marker retention %s (markers are kept until ScheduleToClose anyway, but raise Retention to cover it)",
+				activityType, opts.ScheduleToCloseTimeout, retention)
+		}
+		return ""
+	}
+	rp := opts.RetryPolicy
+	if rp == nil || rp.MaximumAttempts == 0 {
+		return fmt.Sprintf("activity %s: no ScheduleToClose and unlimited retries: Temporal may redeliver it after the marker retention %s; set ScheduleToCloseTimeout or RetryPolicy.MaximumAttempts",
+			activityType, retention)
+	}
+	maxInterval := rp.MaximumInterval
+	if maxInterval == 0 {
+		maxInterval = 100 * max(rp.InitialInterval, time.Second)
+	}
+	bound := time.Duration(rp.MaximumAttempts) * (opts.StartToCloseTimeout + maxInterval)
+	if bound > retention {
+		return fmt.Sprintf("activity %s: %d attempts may span up to %s, beyond the marker retention %s", activityType, rp.MaximumAttempts, bound, retention)
+	}
+	return ""
+}

@@ -1,0 +1,54 @@
+package e2e
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/dedupactivity/dedupactivity/dedupactivity"
+	"github.com/dedupactivity/dedupactivity/internal/ledgerworker"
+	"github.com/dedupactivity/dedupactivity/workflows"
+)
+
+// TestPruneSchedule: the worker creates the prune schedule (idempotently);
+// a triggered run deletes expired markers and keeps live ones.
+func TestPruneSchedule(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+
+	_, err := b.transfer(t, workflows.TransferRequest{TransferID: "live", From: "alice", To: "bob", Amount: 1})
+	require.NoError(t, err)
+	_, err = b.pool.Exec(ctx, `
+INSERT INTO dedup_marker (id_hash, identity, activity_type, fingerprint, fingerprint_alg, attempt, expires_at)
+SELECT sha256(int4send(g)), int4send(g), 'Old', '\x00', 1, 1, now() - interval '1 day'
+FROM generate_series(1, 2500) g`)
+	require.NoError(t, err)
+
+	id := ledgerworker.PruneScheduleID(b.taskQueue)
+	// A second worker start (or any caller) finds the schedule in place.
+	require.NoError(t, dedupactivity.EnsurePruneSchedule(ctx, b.client, b.worker.Deduper, id, b.taskQueue, time.Hour))
+
+	h := b.client.ScheduleClient().GetHandle(ctx, id)
+	t.Cleanup(func() { _ = h.Delete(context.Background()) })
+	require.NoError(t, h.Trigger(ctx, clientTrigger()))
+	var workflowID, runID string
+	require.Eventually(t, func() bool {
+		desc, err := h.Describe(ctx)
+		require.NoError(t, err)
+		if len(desc.Info.RecentActions) == 0 {
+			return false
+		}
+		a := desc.Info.RecentActions[0].StartWorkflowResult
+		workflowID, runID = a.WorkflowID, a.FirstExecutionRunID
+		return true
+	}, 30*time.Second, 100*time.Millisecond)
+	var res dedupactivity.PruneResult
+	require.NoError(t, b.client.GetWorkflow(ctx, workflowID, runID).Get(ctx, &res))
+	require.Equal(t, int64(2500), res.Deleted)
+	require.Equal(t, int64(0), b.count(t, `SELECT count(*) FROM dedup_marker WHERE activity_type = 'Old'`))
+	require.Equal(t, int64(2), b.count(t, `SELECT count(*) FROM dedup_marker`), "the live transfer's markers stay")
+}
