@@ -30,11 +30,16 @@ test: $(TEMPORAL) ## Run all tests (race detector) against real PostgreSQL and a
 bench: $(TEMPORAL) ## Benchmarks: dedupactivity vs bare / status-record / check-then-insert; writes docs/bench.md and docs/bench.png.
 	$(GO) run ./cmd/bench $(BENCH_FLAGS)
 
+.PHONY: chaos
+chaos: $(TEMPORAL) ## Chaos run (~2 min): worker SIGKILLs, backend kills, redeliveries, a PostgreSQL restart. CHAOS_FLAGS for longer soaks.
+	$(GO) run ./cmd/chaos $(CHAOS_FLAGS)
+
 .PHONY: lint
 lint: ## gofmt and go vet.
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
 
 .PHONY: fuzz
-fuzz: ## Short fuzz run of identity encoding.
+fuzz: ## Short fuzz runs of identity encoding and input fingerprinting.
 	$(GO) test ./dedupactivity -run '^$$' -fuzz FuzzIdentityEncode -fuzztime 20s
+	$(GO) test ./dedupactivity -run '^$$' -fuzz FuzzFingerprint -fuzztime 20s

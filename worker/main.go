@@ -42,6 +42,10 @@ func run() error {
 	if err != nil {
 		return err
 	}
+	if path := os.Getenv("DEDUP_COUNTS_FILE"); path != "" {
+		// Used by the chaos harness: outcome counts, snapshotted to a file.
+		tel.MeterProvider = ledgerworker.CountsToFile(ctx, path, 200*time.Millisecond)
+	}
 	defer func() {
 		sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()

@@ -292,33 +292,23 @@ func (b *bench) duplicatePath(ctx context.Context, n int) (first, dup time.Durat
 	return percentile(fl, 0.5), percentile(dl, 0.5), nil
 }
 
-// largeTable measures the claim (with an empty effect) on an empty marker
-// table and on one holding n markers, and the bytes per marker on disk.
-func (b *bench) largeTable(ctx context.Context, n int) (empty, full time.Duration, bytesPer float64, err error) {
-	d, err := dedupactivity.New(b.pool, dedupactivity.Options{Table: "dedup_big"})
+// largeTable measures the claim (with an empty effect) on a marker table
+// holding n markers and on a small one, interleaved in rounds so noise hits
+// both alike, and the bytes per marker on disk.
+func (b *bench) largeTable(ctx context.Context, n int) (small, big time.Duration, bytesPer float64, err error) {
+	newDeduper := func(table string) (*dedupactivity.Deduper, error) {
+		d, err := dedupactivity.New(b.pool, dedupactivity.Options{Table: table})
+		if err != nil {
+			return nil, err
+		}
+		return d, d.Migrate(ctx)
+	}
+	ds, err := newDeduper("dedup_small")
 	if err != nil {
 		return 0, 0, 0, err
 	}
-	if err := d.Migrate(ctx); err != nil {
-		return 0, 0, 0, err
-	}
-	noop := func(context.Context, pgx.Tx, posting) (receipt, error) { return receipt{EntryID: 1, Balance: 2}, nil }
-	measure := func(tag string) (time.Duration, error) {
-		var ls []time.Duration
-		for round := range 3 {
-			for i := range 300 {
-				key := fmt.Sprintf("big-%s-%d-%d", tag, round, i)
-				id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, Namespace: "bench", ActivityType: "Post", Key: key}
-				t0 := time.Now()
-				if _, _, err := dedupactivity.Do(ctx, d, id, newPosting(key), noop); err != nil {
-					return 0, err
-				}
-				ls = append(ls, time.Since(t0))
-			}
-		}
-		return percentile(ls, 0.5), nil
-	}
-	if empty, err = measure("empty"); err != nil {
+	db, err := newDeduper("dedup_big")
+	if err != nil {
 		return 0, 0, 0, err
 	}
 	// Realistic rows: hash, a run-scoped identity (~80 bytes), a fingerprint
@@ -339,12 +329,31 @@ FROM generate_series($1::bigint, $2::bigint - 1) g`, lo, hi); err != nil {
 	if _, err := b.pool.Exec(ctx, `VACUUM ANALYZE dedup_big`); err != nil {
 		return 0, 0, 0, err
 	}
-	if full, err = measure("full"); err != nil {
-		return 0, 0, 0, err
+	noop := func(context.Context, pgx.Tx, posting) (receipt, error) { return receipt{EntryID: 1, Balance: 2}, nil }
+	var ls, lb []time.Duration
+	measure := func(d *dedupactivity.Deduper, tag string, round int, into *[]time.Duration) error {
+		for i := range 200 {
+			key := fmt.Sprintf("lt-%s-%d-%d", tag, round, i)
+			id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, Namespace: "bench", ActivityType: "Post", Key: key}
+			t0 := time.Now()
+			if _, _, err := dedupactivity.Do(ctx, d, id, newPosting(key), noop); err != nil {
+				return err
+			}
+			*into = append(*into, time.Since(t0))
+		}
+		return nil
+	}
+	for round := range 6 {
+		if err := measure(ds, "small", round, &ls); err != nil {
+			return 0, 0, 0, err
+		}
+		if err := measure(db, "big", round, &lb); err != nil {
+			return 0, 0, 0, err
+		}
 	}
 	var size, rows int64
 	if err := b.pool.QueryRow(ctx, `SELECT pg_total_relation_size('dedup_big'), (SELECT count(*) FROM dedup_big)`).Scan(&size, &rows); err != nil {
 		return 0, 0, 0, err
 	}
-	return empty, full, float64(size) / float64(rows), nil
+	return percentile(ls, 0.5), percentile(lb, 0.5), float64(size) / float64(rows), nil
 }

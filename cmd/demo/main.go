@@ -31,7 +31,6 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
-	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 	"go.temporal.io/sdk/client"
 	tlog "go.temporal.io/sdk/log"
 
@@ -204,23 +203,13 @@ func runTransfers(ctx context.Context, c client.Client, taskQueue string, accoun
 }
 
 func report(ctx context.Context, pool *pgxpool.Pool, reader *sdkmetric.ManualReader, accounts []string, cfg config, results []outcome, took time.Duration) error {
-	var rm metricdata.ResourceMetrics
-	if err := reader.Collect(ctx, &rm); err != nil {
+	byOutcome, err := ledgerworker.Counts(ctx, reader)
+	if err != nil {
 		return err
 	}
-	byOutcome := map[string]int64{}
 	var attempts int64
-	for _, sm := range rm.ScopeMetrics {
-		for _, m := range sm.Metrics {
-			if m.Name != dedupactivity.MetricAttempts {
-				continue
-			}
-			for _, dp := range m.Data.(metricdata.Sum[int64]).DataPoints {
-				o, _ := dp.Attributes.Value(dedupactivity.OutcomeKey)
-				byOutcome[o.AsString()] += dp.Value
-				attempts += dp.Value
-			}
-		}
+	for _, n := range byOutcome {
+		attempts += n
 	}
 
 	completed, failed := 0, 0
