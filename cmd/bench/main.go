@@ -50,6 +50,7 @@ type config struct {
 	doubles    int
 	out        string
 	temporal   bool
+	prune      int
 	activities int
 }
 
@@ -66,6 +67,7 @@ func run() error {
 	flag.StringVar(&cfg.out, "out", "docs", "directory for bench.md and bench.png")
 	flag.BoolVar(&cfg.temporal, "temporal", true, "also measure wrapped vs unwrapped activity throughput on a Temporal dev server")
 	flag.IntVar(&cfg.activities, "activities", 400, "activities per Temporal measurement")
+	flag.IntVar(&cfg.prune, "prune", 1_000_000, "expired markers to prune while measuring claims (0: skip)")
 	flag.Parse()
 	for _, l := range strings.Split(levels, ",") {
 		var n int
@@ -153,6 +155,13 @@ func run() error {
 	fmt.Printf("claim latency with 0 and %d markers ...\n", cfg.markers)
 	if rep.emptyP50, rep.fullP50, rep.bytesPerMarker, err = b.largeTable(ctx, cfg.markers); err != nil {
 		return err
+	}
+
+	if cfg.prune > 0 {
+		fmt.Printf("claims while pruning %d expired markers ...\n", cfg.prune)
+		if rep.prune, err = b.pruneBench(ctx, cfg.prune); err != nil {
+			return fmt.Errorf("prune: %w", err)
+		}
 	}
 
 	if cfg.temporal {

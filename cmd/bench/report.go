@@ -27,6 +27,7 @@ type report struct {
 	fullP50        time.Duration
 	bytesPerMarker float64
 	temporal       temporalResult
+	prune          *pruneResult
 }
 
 func ms(d time.Duration) string { return fmt.Sprintf("%.2f", float64(d.Microseconds())/1000) }
@@ -72,6 +73,16 @@ func (r *report) write() error {
 	fmt.Fprintf(&b, "| first delivery | %s |\n| duplicate delivery | %s |\n", ms(r.firstP50), ms(r.dupP50))
 	fmt.Fprintf(&b, "| claim + commit, empty effect, small marker table (under 2,000 markers) | %s |\n| claim + commit, empty effect, %d markers (interleaved with the line above) | %s (%.2fx) |\n", ms(r.emptyP50), r.cfg.markers, ms(r.fullP50), float64(r.fullP50)/float64(r.emptyP50))
 	fmt.Fprintf(&b, "\nOn disk: %.0f bytes per marker (table, TOAST and indexes, run-scoped identity and a ~60-byte stored result).\n", r.bytesPerMarker)
+
+	if p := r.prune; p != nil {
+		fmt.Fprintf(&b, "\n## Pruning\n\nClaims (8 goroutines, empty effect) on a table holding %d expired markers, before and while `Prune` deletes them (%d deleted in %s, batches of %d).\n\n| | p50 ms | p99 ms |\n|---|---:|---:|\n| before | %s | %s |\n| while pruning | %s | %s (%.2fx) |\n",
+			p.expired, p.pruned, p.pruneTook.Round(time.Millisecond), 1000, ms(p.beforeP50), ms(p.beforeP99), ms(p.duringP50), ms(p.duringP99), float64(p.duringP99)/float64(p.beforeP99))
+		fmt.Fprintf(&b, "\nTable + index size after each of %d retention windows of %d markers (each window pruned, then VACUUM):", p.windowCount, p.windowRows)
+		for _, s := range p.windowSizes {
+			fmt.Fprintf(&b, " %.1f MB;", float64(s)/1e6)
+		}
+		fmt.Fprintln(&b)
+	}
 
 	if r.temporal.bare > 0 {
 		fmt.Fprintf(&b, "\n## On a Temporal dev server\n\n%d activities per measurement, 8 workflows fanning out, %d ABBA rounds, 64 concurrent activity slots.\n\n| activity | activities/s |\n|---|---:|\n| unwrapped (effect in a transaction) | %.0f |\n| wrapped by dedupactivity | %.0f (%.2fx) |\n",
