@@ -115,13 +115,16 @@ FROM generate_series($1::bigint, $2::bigint - 1) g`, lo, hi)
 	}
 	res.duringP50, res.duringP99 = percentile(during, 0.5), percentile(during, 0.99)
 
-	// Retention windows of steady load: each window's markers expire at its
-	// end; the prune after it removes them and VACUUM makes the space
-	// reusable (what autovacuum does on its own schedule).
-	if _, err := b.pool.Exec(ctx, `DELETE FROM dedup_prune`); err != nil {
+	// Retention windows of steady load, on a fresh table: each window's
+	// markers expire at its end; the prune after it removes them and VACUUM
+	// makes the space reusable (what autovacuum does on its own schedule).
+	if _, err := b.pool.Exec(ctx, `DROP TABLE dedup_prune`); err != nil {
 		return nil, err
 	}
-	if _, err := b.pool.Exec(ctx, `VACUUM dedup_prune`); err != nil {
+	if _, err := b.pool.Exec(ctx, `DELETE FROM dedup_prune_migration`); err != nil {
+		return nil, err
+	}
+	if err := d.Migrate(ctx); err != nil {
 		return nil, err
 	}
 	next := n

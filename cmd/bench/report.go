@@ -77,7 +77,7 @@ func (r *report) write() error {
 	if p := r.prune; p != nil {
 		fmt.Fprintf(&b, "\n## Pruning\n\nClaims (8 goroutines, empty effect) on a table holding %d expired markers, before and while `Prune` deletes them (%d deleted in %s, batches of %d).\n\n| | p50 ms | p99 ms |\n|---|---:|---:|\n| before | %s | %s |\n| while pruning | %s | %s (%.2fx) |\n",
 			p.expired, p.pruned, p.pruneTook.Round(time.Millisecond), 1000, ms(p.beforeP50), ms(p.beforeP99), ms(p.duringP50), ms(p.duringP99), float64(p.duringP99)/float64(p.beforeP99))
-		fmt.Fprintf(&b, "\nTable + index size after each of %d retention windows of %d markers (each window pruned, then VACUUM):", p.windowCount, p.windowRows)
+		fmt.Fprintf(&b, "\nTable + index size on a fresh table after each of %d retention windows of %d markers (each window's markers expire at its end; pruned, then VACUUM):", p.windowCount, p.windowRows)
 		for _, s := range p.windowSizes {
 			fmt.Fprintf(&b, " %.1f MB;", float64(s)/1e6)
 		}

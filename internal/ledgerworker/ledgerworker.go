@@ -93,12 +93,20 @@ type Telemetry struct {
 
 // TelemetryFromEnv exports traces and metrics over OTLP/gRPC when the
 // standard OTEL_EXPORTER_OTLP_ENDPOINT (or the _TRACES_/_METRICS_ variant) is
-// set; otherwise it uses the global (no-op) providers. The service name is
+// set, unless OTEL_TRACES_EXPORTER or OTEL_METRICS_EXPORTER is "none";
+// otherwise it uses the global (no-op) providers. The service name is
 // OTEL_SERVICE_NAME, defaulting to serviceName.
 func TelemetryFromEnv(ctx context.Context, serviceName string) (*Telemetry, error) {
 	endpoint := os.Getenv("OTEL_EXPORTER_OTLP_ENDPOINT")
 	traces := cmp.Or(os.Getenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"), endpoint)
 	metrics := cmp.Or(os.Getenv("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"), endpoint)
+	// The standard switches: OTEL_TRACES_EXPORTER / OTEL_METRICS_EXPORTER=none.
+	if os.Getenv("OTEL_TRACES_EXPORTER") == "none" {
+		traces = ""
+	}
+	if os.Getenv("OTEL_METRICS_EXPORTER") == "none" {
+		metrics = ""
+	}
 	t := &Telemetry{TracerProvider: otel.GetTracerProvider(), MeterProvider: otel.GetMeterProvider(), Shutdown: func(context.Context) error { return nil }}
 	if traces == "" && metrics == "" {
 		return t, nil

@@ -1,0 +1,73 @@
+package dedupactivity_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/dedupactivity/dedupactivity/dedupactivity"
+)
+
+// TestLeastPrivilegeRole runs claims, duplicates and pruning as a role that
+// holds only the grants the README lists for the marker table (plus what the
+// test's own effect needs), and shows it cannot create tables.
+func TestLeastPrivilegeRole(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	ctx := context.Background()
+	role := "rt_" + b.schema.Name
+	s := pgx.Identifier{b.schema.Name}.Sanitize()
+	r := pgx.Identifier{role}.Sanitize()
+	_, err := b.pool.Exec(ctx, fmt.Sprintf(`
+CREATE ROLE %[2]s LOGIN PASSWORD 'pw';
+GRANT USAGE ON SCHEMA %[1]s TO %[2]s;
+GRANT SELECT, INSERT, UPDATE, DELETE ON %[1]s.dedup_marker TO %[2]s;
+GRANT EXECUTE ON FUNCTION %[1]s.dedup_marker_claim(bytea, bytea, text, bytea, smallint, integer, double precision, timestamptz, text) TO %[2]s;
+-- the effect's own tables
+GRANT SELECT, INSERT, UPDATE ON %[1]s.ledger, %[1]s.account TO %[2]s;
+GRANT USAGE ON SEQUENCE %[1]s.ledger_id_seq TO %[2]s;`, s, r))
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_, _ = b.pool.Exec(context.Background(), fmt.Sprintf(`DROP OWNED BY %[1]s; DROP ROLE %[1]s`, r))
+	})
+	cfg, err := pgxpool.ParseConfig(b.schema.URL)
+	require.NoError(t, err)
+	cfg.ConnConfig.User, cfg.ConnConfig.Password = role, "pw"
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	defer pool.Close()
+
+	d, err := dedupactivity.New(pool, dedupactivity.Options{})
+	require.NoError(t, err)
+	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "k"}
+	_, outcome, err := dedupactivity.Do(ctx, d, id, Transfer{Account: "a", Amount: 1}, b.post)
+	require.NoError(t, err)
+	require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
+	_, outcome, err = dedupactivity.Do(ctx, d, id, Transfer{Account: "a", Amount: 1}, b.post)
+	require.NoError(t, err)
+	require.Equal(t, dedupactivity.OutcomeDuplicate, outcome)
+	_, err = d.Prune(ctx)
+	require.NoError(t, err)
+
+	_, err = pool.Exec(ctx, `CREATE TABLE nope (id int)`)
+	require.Error(t, err, "the runtime role cannot create tables")
+}
+
+// TestRefusedConnection: a database that refuses the connection gives a
+// clear, retryable error and no panic.
+func TestRefusedConnection(t *testing.T) {
+	t.Parallel()
+	pool, err := pgxpool.New(context.Background(), "postgres://nobody@127.0.0.1:1/none?connect_timeout=2")
+	require.NoError(t, err) // pgxpool connects lazily
+	defer pool.Close()
+	d, err := dedupactivity.New(pool, dedupactivity.Options{})
+	require.NoError(t, err)
+	fn := dedupactivity.Wrap(d, func(ctx context.Context, tx pgx.Tx, in Transfer) (int, error) { return 1, nil })
+	_, err = deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
+	require.ErrorContains(t, err, "acquire connection")
+	require.ErrorContains(t, err, "connect")
+}
