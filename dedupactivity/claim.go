@@ -27,6 +27,7 @@ type event struct {
 	attempt      int32
 	retention    time.Duration
 	minExpiry    time.Time // the activity's own redelivery bound; zero if none
+	scheduledAt  time.Time // the partition key in the partitioned layout
 }
 
 // applyFunc runs the user's effect through tx and returns the encoded result
@@ -147,12 +148,16 @@ const duplicateState = "DDUP1"
 func (d *Deduper) claimSQL(ctx context.Context, ev *event) string {
 	minExpiry := "NULL"
 	if !ev.minExpiry.IsZero() {
-		minExpiry = "'" + ev.minExpiry.UTC().Format(time.RFC3339Nano) + "'"
+		minExpiry = timeLiteral(ev.minExpiry)
 	}
 	var b strings.Builder
 	b.Grow(256 + 2*len(ev.enc))
-	fmt.Fprintf(&b, "BEGIN ISOLATION LEVEL READ COMMITTED; SELECT %s(%s, %s, %s, %s, %d::smallint, %d, %s, %s::timestamptz, '%dms')",
-		d.claimFunc, hexLiteral(ev.hash[:]), hexLiteral(ev.enc), textLiteral(ev.activityType), hexLiteral(ev.fingerprint),
+	partitionKey := ""
+	if d.opts.PartitionInterval > 0 {
+		partitionKey = timeLiteral(ev.scheduledAt) + ", "
+	}
+	fmt.Fprintf(&b, "BEGIN ISOLATION LEVEL READ COMMITTED; SELECT %s(%s, %s%s, %s, %s, %d::smallint, %d, %s, %s::timestamptz, '%dms')",
+		d.claimFunc, hexLiteral(ev.hash[:]), partitionKey, hexLiteral(ev.enc), textLiteral(ev.activityType), hexLiteral(ev.fingerprint),
 		fingerprintAlgSHA256JSON, ev.attempt, strconv.FormatFloat(ev.retention.Seconds(), 'f', 3, 64), minExpiry,
 		claimWait(ctx, d.opts.ClaimWait).Milliseconds())
 	return b.String()
@@ -164,6 +169,9 @@ func (d *Deduper) claimSQL(ctx context.Context, ev *event) string {
 func (d *Deduper) readStored(ctx context.Context, conn *pgx.Conn, ev *event) (stored, error) {
 	var st stored
 	sql := "ROLLBACK; " + d.q.selectStoredLiteral + hexLiteral(ev.hash[:])
+	if d.opts.PartitionInterval > 0 {
+		sql += " AND scheduled_at = " + timeLiteral(ev.scheduledAt)
+	}
 	results, err := conn.PgConn().Exec(ctx, sql).ReadAll()
 	if err != nil {
 		return st, fmt.Errorf("dedupactivity: read marker: %w", translate(err))
@@ -212,12 +220,19 @@ func decodeByteaText(b []byte) ([]byte, error) {
 func (d *Deduper) commit(ctx context.Context, conn *pgx.Conn, ev *event, result []byte) error {
 	b := &pgx.Batch{}
 	if result != nil {
-		b.Queue(d.q.storeResult, ev.hash[:], result)
+		if d.opts.PartitionInterval > 0 {
+			b.Queue(d.q.storeResult, ev.hash[:], result, ev.scheduledAt)
+		} else {
+			b.Queue(d.q.storeResult, ev.hash[:], result)
+		}
 	}
 	b.Queue("COMMIT")
 	br := conn.SendBatch(ctx, b)
 	defer br.Close()
 	if result != nil {
+		// The statement fails (division by zero) unless it updated the
+		// marker, so the COMMIT behind it in the pipeline never commits an
+		// effect without its stored result.
 		if _, err := br.Exec(); err != nil {
 			return fmt.Errorf("dedupactivity: store result: %w", translate(err))
 		}
@@ -233,6 +248,12 @@ func (d *Deduper) commit(ctx context.Context, conn *pgx.Conn, ev *event, result 
 		return fmt.Errorf("dedupactivity: commit: %w", pgx.ErrTxCommitRollback)
 	}
 	return br.Close()
+}
+
+// timeLiteral is a timestamptz literal; RFC 3339 text holds only digits and
+// "-:.TZ".
+func timeLiteral(t time.Time) string {
+	return "'" + t.UTC().Format(time.RFC3339Nano) + "'::timestamptz"
 }
 
 func hexLiteral(b []byte) string { return "decode('" + hex.EncodeToString(b) + "', 'hex')" }

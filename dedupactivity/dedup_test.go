@@ -407,3 +407,20 @@ func TestDoOutsideTemporal(t *testing.T) {
 	_, _, err = dedupactivity.Do(ctx, b.d, dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey}, in, b.post)
 	require.ErrorIs(t, err, dedupactivity.ErrEmptyBusinessKey)
 }
+
+// TestNoCommitWithoutStoredResult: if the result cannot be stored on the
+// marker (here the marker is deleted inside the transaction), the COMMIT
+// pipelined behind it does not commit the effect.
+func TestNoCommitWithoutStoredResult(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	dedupactivity.SetAfterClaimHook(b.d, func(ctx context.Context, tx pgx.Tx) error {
+		_, err := tx.Exec(ctx, `DELETE FROM dedup_marker`)
+		return err
+	})
+	fn := dedupactivity.Wrap(b.d, b.post)
+	_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
+	require.ErrorContains(t, err, "store result")
+	require.Zero(t, b.ledgerRows(t), "the effect rolled back")
+	require.Zero(t, b.markers(t))
+}

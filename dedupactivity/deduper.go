@@ -40,14 +40,16 @@ func New(pool *pgxpool.Pool, opts Options) (*Deduper, error) {
 	if err != nil {
 		return nil, fmt.Errorf("dedupactivity: telemetry: %w", err)
 	}
-	qualify := func(name string) string {
-		if opts.Schema != "" {
-			return pgx.Identifier{opts.Schema, name}.Sanitize()
-		}
-		return pgx.Identifier{name}.Sanitize()
+	d := &Deduper{pool: pool, opts: opts, tel: tel}
+	d.table = d.qualify(opts.Table)
+	d.claimFunc = d.qualify(opts.Table + "_claim")
+	d.q = newQueries(d.table)
+	if opts.PartitionInterval > 0 {
+		d.q.storeResult = `WITH u AS (UPDATE ` + d.table + ` SET result = $2 WHERE id_hash = $1 AND scheduled_at = $3 RETURNING 1) SELECT 1 / count(*) FROM u`
+		// The default partition is pruned row by row; the others are dropped.
+		d.q.prune = newQueries(d.qualify(opts.Table + "_default")).prune
 	}
-	table := qualify(opts.Table)
-	return &Deduper{pool: pool, opts: opts, table: table, claimFunc: qualify(opts.Table + "_claim"), q: newQueries(table), tel: tel}, nil
+	return d, nil
 }
 
 // Options returns the Deduper's options with defaults filled in.
@@ -62,7 +64,7 @@ func newQueries(table string) queries {
 	return queries{
 		// Completed with a literal; for the simple protocol.
 		selectStoredLiteral: `SELECT fingerprint, fingerprint_alg, result, attempt FROM ` + table + ` WHERE id_hash = `,
-		storeResult:         `UPDATE ` + table + ` SET result = $2 WHERE id_hash = $1`,
+		storeResult:         `WITH u AS (UPDATE ` + table + ` SET result = $2 WHERE id_hash = $1 RETURNING 1) SELECT 1 / count(*) FROM u`,
 		prune: `DELETE FROM ` + table + ` WHERE id_hash = ANY (ARRAY(
 	SELECT id_hash FROM ` + table + ` WHERE expires_at < now()
 	ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED))`,

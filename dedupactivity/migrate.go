@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"hash/fnv"
 	"io/fs"
+	"path"
 	"regexp"
 	"sort"
 	"strconv"
@@ -25,10 +26,19 @@ type Migration struct {
 
 var migrationFileRE = regexp.MustCompile(`^(\d{3})_([a-z0-9_]+)\.(up|down)\.sql$`)
 
-// Migrations returns the embedded migrations in version order, with the
-// table name still the file's own (migrations.TableToken).
-func Migrations() ([]Migration, error) {
-	entries, err := fs.ReadDir(migrations.FS, ".")
+// Migrations returns the embedded migrations of the default layout in
+// version order, with the table name still the file's own
+// (migrations.TableToken).
+func Migrations() ([]Migration, error) { return readMigrations(migrations.FS, ".") }
+
+// PartitionedMigrations returns the migrations of the partitioned layout
+// (Options.PartitionInterval > 0).
+func PartitionedMigrations() ([]Migration, error) {
+	return readMigrations(migrations.PartitionedFS, "partitioned")
+}
+
+func readMigrations(fsys fs.FS, dir string) ([]Migration, error) {
+	entries, err := fs.ReadDir(fsys, dir)
 	if err != nil {
 		return nil, fmt.Errorf("dedupactivity: read migrations: %w", err)
 	}
@@ -39,7 +49,7 @@ func Migrations() ([]Migration, error) {
 			continue
 		}
 		v, _ := strconv.Atoi(m[1])
-		body, err := fs.ReadFile(migrations.FS, e.Name())
+		body, err := fs.ReadFile(fsys, path.Join(dir, e.Name()))
 		if err != nil {
 			return nil, fmt.Errorf("dedupactivity: read migration %s: %w", e.Name(), err)
 		}
@@ -72,6 +82,9 @@ func Migrations() ([]Migration, error) {
 // <Table>_migration beside the marker table.
 func (d *Deduper) Migrate(ctx context.Context) error {
 	migs, err := Migrations()
+	if d.opts.PartitionInterval > 0 {
+		migs, err = PartitionedMigrations()
+	}
 	if err != nil {
 		return err
 	}
@@ -127,6 +140,11 @@ func (d *Deduper) Migrate(ctx context.Context) error {
 	}
 	if err := tx.Commit(ctx); err != nil {
 		return fmt.Errorf("dedupactivity: migrate: commit: %w", err)
+	}
+	if d.opts.PartitionInterval > 0 {
+		if _, err := d.EnsurePartitions(ctx); err != nil {
+			return err
+		}
 	}
 	return nil
 }

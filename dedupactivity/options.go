@@ -116,6 +116,24 @@ type Options struct {
 	// Defaults to DefaultMaxResultBytes (2 MiB).
 	MaxResultBytes int
 
+	// PartitionInterval, when set, selects the partitioned layout: the
+	// marker table is range-partitioned by the activity's ScheduledTime
+	// (shared by every attempt of one scheduled activity) in partitions of
+	// this width, made PartitionsAhead ahead by Migrate and Prune, and
+	// expired partitions are dropped instead of deleted row by row. Choose
+	// the layout when the table is created. Business keys, local activities
+	// and Do are refused in this layout (their deliveries do not share a
+	// ScheduledTime), as a non-retryable invalid-usage error.
+	//
+	// Defaults to 0: one plain table.
+	PartitionInterval time.Duration
+
+	// PartitionsAhead is how many future partitions Migrate and Prune keep
+	// ready in the partitioned layout.
+	//
+	// Defaults to 3.
+	PartitionsAhead int
+
 	// TracerProvider creates the tracer for the span of every attempt.
 	//
 	// Defaults to otel.GetTracerProvider().
@@ -147,6 +165,9 @@ func (o Options) withDefaults() Options {
 	if o.MaxResultBytes == 0 {
 		o.MaxResultBytes = DefaultMaxResultBytes
 	}
+	if o.PartitionsAhead == 0 {
+		o.PartitionsAhead = 3
+	}
 	if o.TracerProvider == nil {
 		o.TracerProvider = otel.GetTracerProvider()
 	}
@@ -172,6 +193,12 @@ func (o Options) validate() error {
 	}
 	if o.Retention < time.Minute {
 		return fmt.Errorf("%w: Retention must be at least 1m, got %s", ErrInvalidOptions, o.Retention)
+	}
+	if o.PartitionInterval < 0 || (o.PartitionInterval > 0 && o.PartitionInterval < time.Second) {
+		return fmt.Errorf("%w: PartitionInterval must be 0 or at least 1s, got %s", ErrInvalidOptions, o.PartitionInterval)
+	}
+	if o.PartitionsAhead < 1 {
+		return fmt.Errorf("%w: PartitionsAhead must be at least 1, got %d", ErrInvalidOptions, o.PartitionsAhead)
 	}
 	if o.MaxResultBytes < 0 {
 		return fmt.Errorf("%w: MaxResultBytes must not be negative, got %d", ErrInvalidOptions, o.MaxResultBytes)

@@ -23,12 +23,26 @@ const PruneBatchSize = 1000
 // PruneBatchSize, each in its own short transaction, until none are left or
 // ctx is done. Rows locked by a concurrent pruner are skipped, so it is safe
 // to run from many workers at once. It returns how many markers it deleted.
+//
+// In the partitioned layout it drops the partitions whose range is over and
+// whose markers have all expired, makes the partitions ahead, and deletes
+// expired rows of the default partition.
 func (d *Deduper) Prune(ctx context.Context) (int64, error) {
 	return d.prune(ctx, nil)
 }
 
 func (d *Deduper) prune(ctx context.Context, afterBatch func(deleted int64)) (int64, error) {
 	var deleted int64
+	if d.opts.PartitionInterval > 0 {
+		n, err := d.dropExpiredPartitions(ctx)
+		if err != nil {
+			return 0, err
+		}
+		if _, err := d.EnsurePartitions(ctx); err != nil {
+			return n, err
+		}
+		deleted = n
+	}
 	for {
 		tag, err := d.pool.Exec(ctx, d.q.prune, PruneBatchSize)
 		if err != nil {

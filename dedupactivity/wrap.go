@@ -169,6 +169,14 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 		return out, OutcomeError, err
 	}
 	ev.hash = sha256Sum(ev.enc)
+	if w.d.opts.PartitionInterval > 0 {
+		if id.Kind != KindActivity && id.Kind != KindStandalone || info.ScheduledTime.IsZero() {
+			return out, OutcomeError, fmt.Errorf("%w: the partitioned layout (PartitionInterval) supports run-scoped identities of regular and standalone activities only, not %s identities or calls outside an activity: their deliveries do not share a ScheduledTime", ErrInvalidOptions, id.Kind)
+		}
+		// PostgreSQL keeps microseconds: truncate so every statement names
+		// the same key.
+		ev.scheduledAt = info.ScheduledTime.Truncate(time.Microsecond)
+	}
 	if info.ScheduleToCloseTimeout > 0 && !info.ScheduledTime.IsZero() {
 		ev.minExpiry = info.ScheduledTime.Add(info.ScheduleToCloseTimeout)
 	}

@@ -11,10 +11,15 @@ package migrations
 
 import "embed"
 
-// FS holds every *.sql file of this directory.
+// FS holds every *.sql file of this directory (the default layout).
 //
 //go:embed *.sql
 var FS embed.FS
+
+// PartitionedFS holds the partitioned layout's files, under partitioned/.
+//
+//go:embed partitioned/*.sql
+var PartitionedFS embed.FS
 
 // TableToken is the table name the SQL files use. A migrator that wants
 // another table name replaces this token (it is also the prefix of every index

@@ -1,0 +1,151 @@
+package dedupactivity
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// partitionLockTimeout bounds how long partition maintenance waits for the
+// table lock it needs; claims queue behind a waiting lock request, so it is
+// kept short and the work is retried at the next run.
+const partitionLockTimeout = 500 * time.Millisecond
+
+// EnsurePartitions creates, in the partitioned layout, the partitions
+// covering the current interval and the next PartitionsAhead ones (those
+// that do not exist yet). A range whose rows already sit in the default
+// partition (maintenance fell behind) is left to the default partition. It
+// returns how many partitions it created; in the default layout it does
+// nothing.
+func (d *Deduper) EnsurePartitions(ctx context.Context) (int, error) {
+	iv := d.opts.PartitionInterval
+	if iv <= 0 {
+		return 0, nil
+	}
+	existing, err := d.partitions(ctx)
+	if err != nil {
+		return 0, err
+	}
+	have := map[string]bool{}
+	for _, p := range existing {
+		have[p.name] = true
+	}
+	created := 0
+	start := time.Now().Truncate(iv)
+	for i := 0; i <= d.opts.PartitionsAhead; i++ {
+		lo := start.Add(time.Duration(i) * iv)
+		name := d.opts.Table + "_p" + strconv.FormatInt(lo.Unix(), 10)
+		if have[name] {
+			continue
+		}
+		sql := fmt.Sprintf(`CREATE TABLE %s PARTITION OF %s FOR VALUES FROM (%s) TO (%s) WITH (fillfactor = 80)`,
+			d.qualify(name), d.table, timeLiteral(lo), timeLiteral(lo.Add(iv)))
+		err := pgx.BeginFunc(ctx, d.pool, func(tx pgx.Tx) error {
+			if _, err := tx.Exec(ctx, fmt.Sprintf(`SET LOCAL lock_timeout = '%dms'`, partitionLockTimeout.Milliseconds())); err != nil {
+				return err
+			}
+			_, err := tx.Exec(ctx, sql)
+			return err
+		})
+		switch state := sqlState(err); {
+		case err == nil:
+			created++
+		case state == "42P07": // duplicate_table: another worker made it
+		case state == "23514": // rows in the default partition: leave the range there
+		case state == "55P03": // lock_timeout: next run
+		default:
+			return created, fmt.Errorf("dedupactivity: create partition %s: %w", name, err)
+		}
+	}
+	return created, nil
+}
+
+type partition struct {
+	name string
+	hi   time.Time // exclusive upper bound
+}
+
+// partitions lists the range partitions (not the default one).
+func (d *Deduper) partitions(ctx context.Context) ([]partition, error) {
+	rows, err := d.pool.Query(ctx, `
+SELECT c.relname, pg_get_expr(c.relpartbound, c.oid)
+FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+WHERE i.inhparent = $1::regclass`, d.table)
+	if err != nil {
+		return nil, fmt.Errorf("dedupactivity: list partitions: %w", translate(err))
+	}
+	defer rows.Close()
+	var out []partition
+	prefix := d.opts.Table + "_p"
+	for rows.Next() {
+		var name, bound string
+		if err := rows.Scan(&name, &bound); err != nil {
+			return nil, err
+		}
+		if !strings.HasPrefix(name, prefix) {
+			continue // the default partition
+		}
+		lo, err := strconv.ParseInt(strings.TrimPrefix(name, prefix), 10, 64)
+		if err != nil {
+			continue
+		}
+		out = append(out, partition{name: name, hi: time.Unix(lo, 0).Add(d.opts.PartitionInterval)})
+	}
+	return out, rows.Err()
+}
+
+// dropExpiredPartitions drops range partitions whose scheduled-time range is
+// over and whose markers have all expired. Each is detached and checked in
+// one transaction holding the table lock, so no claim can insert into it
+// between the check and the drop.
+func (d *Deduper) dropExpiredPartitions(ctx context.Context) (int64, error) {
+	parts, err := d.partitions(ctx)
+	if err != nil {
+		return 0, err
+	}
+	var deleted int64
+	for _, p := range parts {
+		if p.hi.After(time.Now()) {
+			continue
+		}
+		var rows int64
+		errKeep := errors.New("keep")
+		err := pgx.BeginFunc(ctx, d.pool, func(tx pgx.Tx) error {
+			if _, err := tx.Exec(ctx, fmt.Sprintf(`SET LOCAL lock_timeout = '%dms'`, partitionLockTimeout.Milliseconds())); err != nil {
+				return err
+			}
+			if _, err := tx.Exec(ctx, fmt.Sprintf(`ALTER TABLE %s DETACH PARTITION %s`, d.table, d.qualify(p.name))); err != nil {
+				return err
+			}
+			var live bool
+			if err := tx.QueryRow(ctx, fmt.Sprintf(`SELECT count(*), coalesce(max(expires_at) >= now(), false) FROM %s`, d.qualify(p.name))).Scan(&rows, &live); err != nil {
+				return err
+			}
+			if live {
+				return errKeep // roll back: the partition stays attached
+			}
+			_, err := tx.Exec(ctx, `DROP TABLE `+d.qualify(p.name))
+			return err
+		})
+		switch {
+		case err == nil:
+			deleted += rows
+		case errors.Is(err, errKeep), sqlState(err) == "55P03":
+		default:
+			return deleted, fmt.Errorf("dedupactivity: drop partition %s: %w", p.name, err)
+		}
+	}
+	return deleted, nil
+}
+
+func (d *Deduper) qualify(name string) string {
+	if d.opts.Schema != "" {
+		return pgx.Identifier{d.opts.Schema, name}.Sanitize()
+	}
+	return pgx.Identifier{name}.Sanitize()
+}

@@ -1,0 +1,70 @@
+package dedupactivity_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+	"go.temporal.io/sdk/activity"
+	"go.temporal.io/sdk/testsuite"
+
+	"github.com/dedupactivity/dedupactivity/dedupactivity"
+)
+
+func TestPartitionedLayout(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{PartitionInterval: 2 * time.Second, PartitionsAhead: 2, Retention: time.Minute})
+	ctx := context.Background()
+	partitions := func() []string {
+		rows, err := b.pool.Query(ctx, `SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+			WHERE i.inhparent = 'dedup_marker'::regclass ORDER BY 1`)
+		require.NoError(t, err)
+		names, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		require.NoError(t, err)
+		return names
+	}
+	require.Len(t, partitions(), 4, "the current interval, 2 ahead, and the default partition")
+
+	fn := dedupactivity.Wrap(b.d, b.post)
+	_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
+	require.NoError(t, err)
+	var part string
+	require.NoError(t, b.pool.QueryRow(ctx, `SELECT tableoid::regclass::text FROM dedup_marker`).Scan(&part))
+	require.NotEqual(t, "dedup_marker_default", part, "the marker sits in its scheduled time's partition")
+
+	// Unexpired: the partition outlives its range.
+	time.Sleep(2100 * time.Millisecond)
+	_, err = b.d.Prune(ctx)
+	require.NoError(t, err)
+	require.Contains(t, partitions(), part)
+	require.Equal(t, int64(1), b.markers(t))
+
+	// Expired: the partition is dropped, new ones are made ahead.
+	_, err = b.pool.Exec(ctx, `UPDATE dedup_marker SET expires_at = now() - interval '1 second'`)
+	require.NoError(t, err)
+	n, err := b.d.Prune(ctx)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), n)
+	require.NotContains(t, partitions(), part)
+	require.Zero(t, b.markers(t))
+	require.GreaterOrEqual(t, len(partitions()), 4)
+
+	// Identities whose deliveries do not share a ScheduledTime are refused.
+	keyed := dedupactivity.Wrap(b.d, b.post, dedupactivity.WithBusinessKey(func(in Transfer) (string, error) { return in.Account, nil }))
+	_, err = deliver(t, "Post", keyed, Transfer{Account: "a", Amount: 1})
+	require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions)
+	require.True(t, appErr(t, err).NonRetryable())
+
+	var suite testsuite.WorkflowTestSuite
+	env := suite.NewTestActivityEnvironment()
+	env.RegisterActivityWithOptions(fn, activity.RegisterOptions{Name: "Post"})
+	_, err = env.ExecuteLocalActivity(fn, Transfer{Account: "a", Amount: 1})
+	require.ErrorContains(t, err, "partitioned layout")
+
+	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "k"}
+	_, _, err = dedupactivity.Do(ctx, b.d, id, Transfer{Account: "a", Amount: 1}, b.post)
+	require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions)
+	require.Equal(t, int64(1), b.ledgerRows(t), "nothing refused wrote anything")
+}
