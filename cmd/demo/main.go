@@ -20,7 +20,6 @@ import (
 	"log"
 	"log/slog"
 	"math/big"
-	"net"
 	"os"
 	"os/signal"
 	"strconv"
@@ -91,7 +90,7 @@ func run() error {
 	temporalAddr := os.Getenv("TEMPORAL_ADDRESS")
 	if temporalAddr == "" {
 		fmt.Println("starting a Temporal dev server ...")
-		uiPort, err := freePort()
+		uiPort, err := pgtest.FreePort()
 		if err != nil {
 			return err
 		}
@@ -307,13 +306,4 @@ func randomHex() string {
 	b := make([]byte, 4)
 	_, _ = rand.Read(b)
 	return hex.EncodeToString(b)
-}
-
-func freePort() (int, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, err
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port, nil
 }
