@@ -30,6 +30,7 @@ const (
 	KindBusinessKey Kind = 4
 )
 
+// String returns the kind as recorded in the dedup.identity.kind attribute.
 func (k Kind) String() string {
 	switch k {
 	case KindActivity:

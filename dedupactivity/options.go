@@ -44,6 +44,7 @@ const (
 	MismatchReturnStored
 )
 
+// String returns the policy's name.
 func (p MismatchPolicy) String() string {
 	switch p {
 	case MismatchReject:
