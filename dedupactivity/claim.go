@@ -146,7 +146,7 @@ const duplicateState = "DDUP1"
 // built only from hex digits, numbers and a timestamp: nothing in an
 // identity or input reaches the SQL text as such.
 func (d *Deduper) claimSQL(ctx context.Context, ev *event) string {
-	minExpiry := "NULL"
+	minExpiry := "NULL::timestamptz"
 	if !ev.minExpiry.IsZero() {
 		minExpiry = timeLiteral(ev.minExpiry)
 	}
@@ -156,7 +156,7 @@ func (d *Deduper) claimSQL(ctx context.Context, ev *event) string {
 	if d.opts.PartitionInterval > 0 {
 		partitionKey = timeLiteral(ev.scheduledAt) + ", "
 	}
-	fmt.Fprintf(&b, "BEGIN ISOLATION LEVEL READ COMMITTED; SELECT %s(%s, %s%s, %s, %s, %d::smallint, %d, %s, %s::timestamptz, '%dms')",
+	fmt.Fprintf(&b, "BEGIN ISOLATION LEVEL READ COMMITTED; SELECT %s(%s, %s%s, %s, %s, %d::smallint, %d, %s, %s, '%dms')",
 		d.claimFunc, hexLiteral(ev.hash[:]), partitionKey, hexLiteral(ev.enc), textLiteral(ev.activityType), hexLiteral(ev.fingerprint),
 		fingerprintAlgSHA256JSON, ev.attempt, strconv.FormatFloat(ev.retention.Seconds(), 'f', 3, 64), minExpiry,
 		claimWait(ctx, d.opts.ClaimWait).Milliseconds())
@@ -251,9 +251,12 @@ func (d *Deduper) commit(ctx context.Context, conn *pgx.Conn, ev *event, result 
 }
 
 // timeLiteral is a timestamptz literal; RFC 3339 text holds only digits and
-// "-:.TZ".
+// "-:.TZ". PostgreSQL keeps microseconds and rounds longer literals, while
+// pgx truncates time parameters: truncating here makes a literal and a
+// parameter for the same time name the same value (the partition key is
+// written both ways).
 func timeLiteral(t time.Time) string {
-	return "'" + t.UTC().Format(time.RFC3339Nano) + "'::timestamptz"
+	return "'" + t.UTC().Truncate(time.Microsecond).Format(time.RFC3339Nano) + "'::timestamptz"
 }
 
 func hexLiteral(b []byte) string { return "decode('" + hex.EncodeToString(b) + "', 'hex')" }

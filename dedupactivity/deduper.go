@@ -2,7 +2,6 @@ package dedupactivity
 
 import (
 	"context"
-	"errors"
 	"fmt"
 
 	"github.com/jackc/pgx/v5"
@@ -43,12 +42,7 @@ func New(pool *pgxpool.Pool, opts Options) (*Deduper, error) {
 	d := &Deduper{pool: pool, opts: opts, tel: tel}
 	d.table = d.qualify(opts.Table)
 	d.claimFunc = d.qualify(opts.Table + "_claim")
-	d.q = newQueries(d.table)
-	if opts.PartitionInterval > 0 {
-		d.q.storeResult = `WITH u AS (UPDATE ` + d.table + ` SET result = $2 WHERE id_hash = $1 AND scheduled_at = $3 RETURNING 1) SELECT 1 / count(*) FROM u`
-		// The default partition is pruned row by row; the others are dropped.
-		d.q.prune = newQueries(d.qualify(opts.Table + "_default")).prune
-	}
+	d.q = newQueries(d.table, opts.PartitionInterval > 0, d.qualify(opts.Table+"_default"))
 	return d, nil
 }
 
@@ -60,27 +54,32 @@ type queries struct {
 	selectStoredLiteral, storeResult, prune string
 }
 
-func newQueries(table string) queries {
+// newQueries builds the queries for table. In the partitioned layout the
+// result is stored by (id_hash, scheduled_at), and row-by-row pruning covers
+// only the default partition (the others are dropped whole).
+func newQueries(table string, partitioned bool, defaultPartition string) queries {
+	key, pruned := `id_hash = $1`, table
+	if partitioned {
+		key, pruned = `id_hash = $1 AND scheduled_at = $3`, defaultPartition
+	}
 	return queries{
 		// Completed with a literal; for the simple protocol.
 		selectStoredLiteral: `SELECT fingerprint, fingerprint_alg, result, attempt FROM ` + table + ` WHERE id_hash = `,
-		storeResult:         `WITH u AS (UPDATE ` + table + ` SET result = $2 WHERE id_hash = $1 RETURNING 1) SELECT 1 / count(*) FROM u`,
-		prune: `DELETE FROM ` + table + ` WHERE id_hash = ANY (ARRAY(
-	SELECT id_hash FROM ` + table + ` WHERE expires_at < now()
+		// Fails (division by zero) unless it updated the marker.
+		storeResult: `WITH u AS (UPDATE ` + table + ` SET result = $2 WHERE ` + key + ` RETURNING 1) SELECT 1 / count(*) FROM u`,
+		prune: `DELETE FROM ` + pruned + ` WHERE id_hash = ANY (ARRAY(
+	SELECT id_hash FROM ` + pruned + ` WHERE expires_at < now()
 	ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED))`,
 	}
 }
 
 // translate turns PostgreSQL errors this package knows into its own.
 func translate(err error) error {
-	var pgErr interface{ SQLState() string }
-	if errors.As(err, &pgErr) {
-		switch pgErr.SQLState() {
-		case "42P01", "42883": // undefined_table, undefined_function (the claim)
-			return fmt.Errorf("%w: %w", ErrNotMigrated, err)
-		case "55P03": // lock_not_available: lock_timeout expired
-			return fmt.Errorf("%w: %w", ErrClaimTimeout, err)
-		}
+	switch sqlState(err) {
+	case "42P01", "42883": // undefined_table, undefined_function (the claim)
+		return fmt.Errorf("%w: %w", ErrNotMigrated, err)
+	case "55P03": // lock_not_available: lock_timeout expired
+		return fmt.Errorf("%w: %w", ErrClaimTimeout, err)
 	}
 	return err
 }

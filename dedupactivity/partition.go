@@ -45,10 +45,7 @@ func (d *Deduper) EnsurePartitions(ctx context.Context) (int, error) {
 		}
 		sql := fmt.Sprintf(`CREATE TABLE %s PARTITION OF %s FOR VALUES FROM (%s) TO (%s) WITH (fillfactor = 80)`,
 			d.qualify(name), d.table, timeLiteral(lo), timeLiteral(lo.Add(iv)))
-		err := pgx.BeginFunc(ctx, d.pool, func(tx pgx.Tx) error {
-			if _, err := tx.Exec(ctx, fmt.Sprintf(`SET LOCAL lock_timeout = '%dms'`, partitionLockTimeout.Milliseconds())); err != nil {
-				return err
-			}
+		err := d.maintain(ctx, func(tx pgx.Tx) error {
 			_, err := tx.Exec(ctx, sql)
 			return err
 		})
@@ -115,10 +112,7 @@ func (d *Deduper) dropExpiredPartitions(ctx context.Context) (int64, error) {
 		}
 		var rows int64
 		errKeep := errors.New("keep")
-		err := pgx.BeginFunc(ctx, d.pool, func(tx pgx.Tx) error {
-			if _, err := tx.Exec(ctx, fmt.Sprintf(`SET LOCAL lock_timeout = '%dms'`, partitionLockTimeout.Milliseconds())); err != nil {
-				return err
-			}
+		err := d.maintain(ctx, func(tx pgx.Tx) error {
 			if _, err := tx.Exec(ctx, fmt.Sprintf(`ALTER TABLE %s DETACH PARTITION %s`, d.table, d.qualify(p.name))); err != nil {
 				return err
 			}
@@ -141,6 +135,17 @@ func (d *Deduper) dropExpiredPartitions(ctx context.Context) (int64, error) {
 		}
 	}
 	return deleted, nil
+}
+
+// maintain runs fn in a transaction whose lock waits are bounded by
+// partitionLockTimeout.
+func (d *Deduper) maintain(ctx context.Context, fn func(pgx.Tx) error) error {
+	return pgx.BeginFunc(ctx, d.pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, fmt.Sprintf(`SET LOCAL lock_timeout = '%dms'`, partitionLockTimeout.Milliseconds())); err != nil {
+			return err
+		}
+		return fn(tx)
+	})
 }
 
 func (d *Deduper) qualify(name string) string {

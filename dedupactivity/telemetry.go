@@ -148,7 +148,7 @@ func (t *telemetry) start(ctx context.Context, info activity.Info, id Identity, 
 }
 
 // end closes the span and records the metrics. err is the error the attempt
-// returns (nil on success); failed says whether it counts as a failure.
+// returns; a non-nil err sets the span's status to Error.
 func (t *telemetry) end(ctx context.Context, r *record, err error) {
 	attrs := metric.WithAttributes(OutcomeKey.String(string(r.outcome)), ActivityTypeKey.String(r.activityType))
 	t.attempts.Add(ctx, 1, attrs)

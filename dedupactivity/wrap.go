@@ -108,6 +108,9 @@ func newWrapper[In, Out any](d *Deduper, fn EffectFunc[In, Out], opts []WrapOpti
 	if w.cfg.keyFn != nil && w.cfg.keyType != reflect.TypeFor[In]() {
 		return nil, fmt.Errorf("%w: WithBusinessKey takes %s, the activity's input is %s", ErrInvalidOptions, w.cfg.keyType, reflect.TypeFor[In]())
 	}
+	if w.cfg.keyFn != nil && d.opts.PartitionInterval > 0 {
+		return nil, fmt.Errorf("%w: WithBusinessKey cannot be used with the partitioned layout (PartitionInterval): deliveries of one key do not share a ScheduledTime", ErrInvalidOptions)
+	}
 	if w.cfg.retention < time.Minute {
 		return nil, fmt.Errorf("%w: WithRetention must be at least 1m, got %s", ErrInvalidOptions, w.cfg.retention)
 	}
@@ -173,9 +176,7 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 		if id.Kind != KindActivity && id.Kind != KindStandalone || info.ScheduledTime.IsZero() {
 			return out, OutcomeError, fmt.Errorf("%w: the partitioned layout (PartitionInterval) supports run-scoped identities of regular and standalone activities only, not %s identities or calls outside an activity: their deliveries do not share a ScheduledTime", ErrInvalidOptions, id.Kind)
 		}
-		// PostgreSQL keeps microseconds: truncate so every statement names
-		// the same key.
-		ev.scheduledAt = info.ScheduledTime.Truncate(time.Microsecond)
+		ev.scheduledAt = info.ScheduledTime
 	}
 	if info.ScheduleToCloseTimeout > 0 && !info.ScheduledTime.IsZero() {
 		ev.minExpiry = info.ScheduledTime.Add(info.ScheduleToCloseTimeout)
@@ -256,14 +257,11 @@ func (w *wrapper[In, Out]) decode(b []byte, out *Out) error {
 }
 
 // toTemporal converts this package's errors to Temporal errors at the
-// activity edge. The effect's own errors pass unchanged.
+// activity edge. The effect's own errors never come here (run returns them
+// unchanged).
 func toTemporal(err error) error {
 	if err == nil {
 		return nil
-	}
-	var ee effectError
-	if errors.As(err, &ee) {
-		return ee.err
 	}
 	var appErr *temporal.ApplicationError
 	if errors.As(err, &appErr) {
