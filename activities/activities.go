@@ -161,3 +161,48 @@ func OpenAccounts(ctx context.Context, pool *pgxpool.Pool, balance int64, ids ..
 	}
 	return nil
 }
+
+// TransferLedger is what the ledger holds for one transfer.
+type TransferLedger struct {
+	Debits, Credits   int
+	DebitID, CreditID int64 // the highest entry ID of each kind; 0 if none
+}
+
+// Audit reads the ledger of the given transfers in one query.
+func Audit(ctx context.Context, pool *pgxpool.Pool, transferIDs []string) (map[string]TransferLedger, error) {
+	rows, err := pool.Query(ctx, `
+SELECT transfer_id,
+       count(*) FILTER (WHERE kind = 'debit'), count(*) FILTER (WHERE kind = 'credit'),
+       coalesce(max(id) FILTER (WHERE kind = 'debit'), 0), coalesce(max(id) FILTER (WHERE kind = 'credit'), 0)
+FROM ledger_entry WHERE transfer_id = ANY($1) GROUP BY transfer_id`, transferIDs)
+	if err != nil {
+		return nil, fmt.Errorf("audit ledger: %w", err)
+	}
+	defer rows.Close()
+	out := make(map[string]TransferLedger, len(transferIDs))
+	for rows.Next() {
+		var id string
+		var l TransferLedger
+		if err := rows.Scan(&id, &l.Debits, &l.Credits, &l.DebitID, &l.CreditID); err != nil {
+			return nil, fmt.Errorf("audit ledger: %w", err)
+		}
+		out[id] = l
+	}
+	return out, rows.Err()
+}
+
+// Check judges one transfer's ledger: applied twice is a violation whatever
+// the workflow did; a completed workflow must have exactly one debit and one
+// credit, and they must be the entries its receipts name. It returns what is
+// wrong ("" if nothing) and whether the transfer was applied twice.
+func (l TransferLedger) Check(transferID string, completed bool, debit, credit Receipt) (problem string, double bool) {
+	switch {
+	case l.Debits > 1 || l.Credits > 1:
+		return fmt.Sprintf("%s applied twice: %d debits, %d credits", transferID, l.Debits, l.Credits), true
+	case completed && (l.Debits != 1 || l.Credits != 1):
+		return fmt.Sprintf("%s completed but its ledger has %d debits, %d credits", transferID, l.Debits, l.Credits), false
+	case completed && (l.DebitID != debit.EntryID || l.CreditID != credit.EntryID):
+		return fmt.Sprintf("%s: receipts (%d, %d) do not match the ledger (%d, %d)", transferID, debit.EntryID, credit.EntryID, l.DebitID, l.CreditID), false
+	}
+	return "", false
+}

@@ -67,3 +67,33 @@ func TestLoseCompletionCommitsThenFails(t *testing.T) {
 	require.NoError(t, s.Pool.QueryRow(context.Background(), `SELECT count(*) FROM ledger_entry`).Scan(&n))
 	require.Equal(t, 1, n, "the effect committed before the failure")
 }
+
+func TestAuditAndCheck(t *testing.T) {
+	t.Parallel()
+	_, s := setup(t)
+	ctx := context.Background()
+	_, err := s.Pool.Exec(ctx, `INSERT INTO ledger_entry (transfer_id, account, amount, kind, attempt) VALUES
+		('ok', 'a', -1, 'debit', 1), ('ok', 'b', 1, 'credit', 1),
+		('twice', 'a', -1, 'debit', 1), ('twice', 'a', -1, 'debit', 2), ('twice', 'b', 1, 'credit', 1),
+		('half', 'a', -1, 'debit', 1)`)
+	require.NoError(t, err)
+	ledger, err := activities.Audit(ctx, s.Pool, []string{"ok", "twice", "half", "none"})
+	require.NoError(t, err)
+
+	ok := ledger["ok"]
+	problem, double := ok.Check("ok", true, activities.Receipt{EntryID: ok.DebitID}, activities.Receipt{EntryID: ok.CreditID})
+	require.Empty(t, problem)
+	require.False(t, double)
+	problem, _ = ok.Check("ok", true, activities.Receipt{EntryID: 999}, activities.Receipt{EntryID: ok.CreditID})
+	require.Contains(t, problem, "do not match")
+
+	problem, double = ledger["twice"].Check("twice", false, activities.Receipt{}, activities.Receipt{})
+	require.True(t, double)
+	require.Contains(t, problem, "applied twice")
+
+	problem, double = ledger["half"].Check("half", true, activities.Receipt{}, activities.Receipt{})
+	require.False(t, double)
+	require.Contains(t, problem, "1 debits, 0 credits")
+	problem, _ = ledger["none"].Check("none", false, activities.Receipt{}, activities.Receipt{})
+	require.Empty(t, problem, "a transfer that never completed and applied nothing is fine")
+}

@@ -231,22 +231,22 @@ func report(ctx context.Context, pool *pgxpool.Pool, reader *sdkmetric.ManualRea
 	if err := pool.QueryRow(ctx, `SELECT sum(balance) FROM account WHERE id = ANY($1)`, accounts).Scan(&total); err != nil {
 		return err
 	}
+	ids := make([]string, len(results))
+	for i, r := range results {
+		ids[i] = r.req.TransferID
+	}
+	ledger, err := activities.Audit(ctx, pool, ids)
+	if err != nil {
+		return err
+	}
 	doubles := 0
 	for _, r := range results {
-		var debits, credits int
-		var debitID, creditID int64
-		err := pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE kind = 'debit'), count(*) FILTER (WHERE kind = 'credit'),
-			coalesce(max(id) FILTER (WHERE kind = 'debit'), 0), coalesce(max(id) FILTER (WHERE kind = 'credit'), 0)
-			FROM ledger_entry WHERE transfer_id = $1`, r.req.TransferID).Scan(&debits, &credits, &debitID, &creditID)
-		if err != nil {
-			return err
-		}
-		if debits > 1 || credits > 1 {
+		problem, double := ledger[r.req.TransferID].Check(r.req.TransferID, r.err == nil, r.res.Debit, r.res.Credit)
+		if double {
 			doubles++
-			problems = append(problems, fmt.Sprintf("%s applied twice: %d debits, %d credits", r.req.TransferID, debits, credits))
 		}
-		if r.err == nil && (debits != 1 || credits != 1 || debitID != r.res.Debit.EntryID || creditID != r.res.Credit.EntryID) {
-			problems = append(problems, fmt.Sprintf("%s: ledger does not match the workflow's receipts", r.req.TransferID))
+		if problem != "" {
+			problems = append(problems, problem)
 		}
 	}
 	want := cfg.balance * int64(len(accounts))

@@ -291,35 +291,35 @@ type started struct {
 
 func check(ctx context.Context, pool *pgxpool.Pool, rep *Report, runs []started, results []workflows.TransferResult, errs []error) error {
 	rep.Started = len(runs)
+	ids := make([]string, len(runs))
 	for i, r := range runs {
-		if errs[i] != nil {
+		ids[i] = r.req.TransferID
+	}
+	ledger, err := activities.Audit(ctx, pool, ids)
+	if err != nil {
+		return err
+	}
+	for i, r := range runs {
+		completed := errs[i] == nil
+		if completed {
+			rep.Completed++
+			rep.Expected += 2
+		} else {
 			rep.Failed++
 			rep.Violations = append(rep.Violations, fmt.Sprintf("workflow %s did not complete: %v", r.req.TransferID, errs[i]))
-		} else {
-			rep.Completed++
 		}
-		var debits, credits int
-		var debitID, creditID int64
-		if err := pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE kind = 'debit'), count(*) FILTER (WHERE kind = 'credit'),
-			coalesce(max(id) FILTER (WHERE kind = 'debit'), 0), coalesce(max(id) FILTER (WHERE kind = 'credit'), 0)
-			FROM ledger_entry WHERE transfer_id = $1`, r.req.TransferID).Scan(&debits, &credits, &debitID, &creditID); err != nil {
-			return err
-		}
-		if debits > 1 || credits > 1 {
+		l := ledger[r.req.TransferID]
+		problem, double := l.Check(r.req.TransferID, completed, results[i].Debit, results[i].Credit)
+		switch {
+		case double:
 			rep.Doubles++
-			rep.Violations = append(rep.Violations, fmt.Sprintf("%s applied twice: %d debits, %d credits", r.req.TransferID, debits, credits))
+		case problem != "" && (l.Debits == 0 || l.Credits == 0):
+			rep.Lost++
+		case problem != "":
+			rep.Mismatched++
 		}
-		if errs[i] == nil {
-			rep.Expected += 2
-			if debits == 0 || credits == 0 {
-				rep.Lost++
-				rep.Violations = append(rep.Violations, fmt.Sprintf("%s completed but its ledger has %d debits, %d credits", r.req.TransferID, debits, credits))
-			}
-			if debitID != results[i].Debit.EntryID || creditID != results[i].Credit.EntryID {
-				rep.Mismatched++
-				rep.Violations = append(rep.Violations, fmt.Sprintf("%s: receipts (%d, %d) do not match the ledger (%d, %d)",
-					r.req.TransferID, results[i].Debit.EntryID, results[i].Credit.EntryID, debitID, creditID))
-			}
+		if problem != "" {
+			rep.Violations = append(rep.Violations, problem)
 		}
 	}
 	if err := pool.QueryRow(ctx, `SELECT count(*) FROM ledger_entry`).Scan(&rep.Effects); err != nil {
