@@ -3,7 +3,6 @@ package dedupactivity_test
 import (
 	"context"
 	"fmt"
-	"net"
 	"sync/atomic"
 	"testing"
 
@@ -12,19 +11,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
+	"github.com/dedupactivity/dedupactivity/internal/pgtest"
 )
-
-// countingConn counts the writes a client makes: one per round trip, since
-// pgx sends each query, batch or pipeline in one write and then waits.
-type countingConn struct {
-	net.Conn
-	writes *atomic.Int64
-}
-
-func (c countingConn) Write(b []byte) (int, error) {
-	c.writes.Add(1)
-	return c.Conn.Write(b)
-}
 
 // TestRoundTrips pins the cost of the claim: a first delivery takes no more
 // round trips than the bare effect in a transaction, and a duplicate fewer.
@@ -37,11 +25,7 @@ func TestRoundTrips(t *testing.T) {
 	cfg, err := pgxpool.ParseConfig(b.schema.URL)
 	require.NoError(t, err)
 	cfg.MaxConns = 1
-	dial := cfg.ConnConfig.DialFunc
-	cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
-		c, err := dial(ctx, network, addr)
-		return countingConn{Conn: c, writes: &writes}, err
-	}
+	pgtest.CountRoundTrips(cfg.ConnConfig, &writes)
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	require.NoError(t, err)
 	defer pool.Close()

@@ -20,7 +20,6 @@ import (
 	"flag"
 	"fmt"
 	"math/rand/v2"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -179,27 +178,8 @@ func openPool(ctx context.Context, url string, maxConns int32, writes *atomic.In
 		return nil, err
 	}
 	cfg.MaxConns = maxConns
-	dial := cfg.ConnConfig.DialFunc
-	cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
-		c, err := dial(ctx, network, addr)
-		if err != nil {
-			return nil, err
-		}
-		return countingConn{Conn: c, writes: writes}, nil
-	}
+	pgtest.CountRoundTrips(cfg.ConnConfig, writes)
 	return pgxpool.NewWithConfig(ctx, cfg)
-}
-
-// countingConn counts client writes: one per round trip, since pgx sends a
-// query, batch or pipeline in one write and then waits for the answer.
-type countingConn struct {
-	net.Conn
-	writes *atomic.Int64
-}
-
-func (c countingConn) Write(p []byte) (int, error) {
-	c.writes.Add(1)
-	return c.Conn.Write(p)
 }
 
 func machine(ctx context.Context, pool *pgxpool.Pool) (string, error) {
