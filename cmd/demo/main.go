@@ -123,13 +123,20 @@ func run() error {
 		Namespace:       cmp.Or(os.Getenv("TEMPORAL_NAMESPACE"), ledgerworker.DefaultNamespace),
 		TaskQueue:       taskQueue,
 		DatabaseURL:     dbURL,
-		Dedup:           dedupactivity.Options{Table: "dedup_marker_demo_" + randomHex()},
 		Logger:          tlog.NewStructuredLogger(slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError + 4}))),
 	}, tel)
 	if err != nil {
 		return err
 	}
 	defer w.Stop()
+	// The task queue is this run's own: its prune schedule would outlive it
+	// on a shared Temporal server (TEMPORAL_ADDRESS).
+	defer func() {
+		h := w.Client.ScheduleClient().GetHandle(context.WithoutCancel(ctx), ledgerworker.PruneScheduleID(taskQueue))
+		if err := h.Delete(context.WithoutCancel(ctx)); err != nil {
+			fmt.Fprintln(os.Stderr, "demo: delete prune schedule:", err)
+		}
+	}()
 
 	accounts := make([]string, cfg.accounts)
 	for i := range accounts {
