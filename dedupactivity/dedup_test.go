@@ -424,3 +424,32 @@ func TestNoCommitWithoutStoredResult(t *testing.T) {
 	require.Zero(t, b.ledgerRows(t), "the effect rolled back")
 	require.Zero(t, b.markers(t))
 }
+
+// TestClaimWaitCutByDeadline: the wait for a holder ends before the caller's
+// deadline, as a claim timeout (retryable), not as a cancelled query.
+func TestClaimWaitCutByDeadline(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{}) // ClaimWait: the 10s default
+	holding, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	dedupactivity.SetAfterClaimHook(b.d, func(ctx context.Context, tx pgx.Tx) error {
+		once.Do(func() { close(holding); <-release })
+		return nil
+	})
+	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "held"}
+	in := Transfer{Account: "a", Amount: 1}
+	holder := make(chan error, 1)
+	go func() { _, _, err := dedupactivity.Do(context.Background(), b.d, id, in, b.post); holder <- err }()
+	<-holding
+
+	ctx, cancel := context.WithTimeout(context.Background(), 700*time.Millisecond)
+	defer cancel()
+	_, outcome, err := dedupactivity.Do(ctx, b.d, id, in, b.post)
+	// A lock_timeout (not a context error) proves the wait was cut short of
+	// the 10s ClaimWait by the deadline.
+	require.ErrorIs(t, err, dedupactivity.ErrClaimTimeout)
+	require.Equal(t, dedupactivity.OutcomeClaimTimeout, outcome)
+
+	close(release)
+	require.NoError(t, <-holder)
+}
