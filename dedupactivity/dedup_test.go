@@ -3,6 +3,7 @@ package dedupactivity_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"testing"
 	"time"
@@ -10,8 +11,10 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 	"go.temporal.io/sdk/activity"
+	"go.temporal.io/sdk/converter"
 	"go.temporal.io/sdk/temporal"
 	"go.temporal.io/sdk/testsuite"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 )
@@ -47,16 +50,17 @@ func TestMarkerAndEffectInOneTransaction(t *testing.T) {
 	var txPID, claimPID uint32
 	dedupactivity.SetAfterClaimHook(b.d, func(ctx context.Context, tx pgx.Tx) error {
 		claimPID = tx.Conn().PgConn().PID()
-		// The marker is visible inside the transaction, not outside it.
-		var inside, outside int
-		if err := tx.QueryRow(ctx, `SELECT count(*) FROM dedup_marker`).Scan(&inside); err != nil {
+		// The claim holds the event's lock in this transaction, and has
+		// written nothing yet.
+		var locks, markers int
+		if err := b.pool.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND pid = $1`, claimPID).Scan(&locks); err != nil {
 			return err
 		}
-		if err := b.pool.QueryRow(ctx, `SELECT count(*) FROM dedup_marker`).Scan(&outside); err != nil {
+		if err := tx.QueryRow(ctx, `SELECT count(*) FROM dedup_marker`).Scan(&markers); err != nil {
 			return err
 		}
-		if inside != 1 || outside != 0 {
-			return errors.New("marker not private to the claim transaction")
+		if locks != 1 || markers != 0 {
+			return fmt.Errorf("after the claim: %d advisory locks held, %d markers", locks, markers)
 		}
 		return nil
 	})
@@ -67,6 +71,10 @@ func TestMarkerAndEffectInOneTransaction(t *testing.T) {
 	_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
 	require.NoError(t, err)
 	require.Equal(t, claimPID, txPID, "effect runs on the claim's connection")
+	var same bool
+	require.NoError(t, b.pool.QueryRow(context.Background(),
+		`SELECT m.xmin::text = l.xmin::text FROM dedup_marker m, ledger l`).Scan(&same))
+	require.True(t, same, "the marker and the effect were written by one transaction")
 }
 
 func TestConcurrentDeliveries(t *testing.T) {
@@ -408,21 +416,48 @@ func TestDoOutsideTemporal(t *testing.T) {
 	require.ErrorIs(t, err, dedupactivity.ErrEmptyBusinessKey)
 }
 
-// TestNoCommitWithoutStoredResult: if the result cannot be stored on the
-// marker (here the marker is deleted inside the transaction), the COMMIT
-// pipelined behind it does not commit the effect.
-func TestNoCommitWithoutStoredResult(t *testing.T) {
+// TestMarkerCommittedElsewhereWins: an attempt that did not take the lock
+// (here a worker of an earlier version of this package, which claims with
+// dedup_marker_claim from migration 002 and stores the result with an
+// UPDATE) commits the event's marker while this attempt runs its effect. The
+// marker insert then conflicts on the primary key, the COMMIT pipelined
+// behind it does not commit, and this attempt returns the stored result as a
+// duplicate.
+func TestMarkerCommittedElsewhereWins(t *testing.T) {
 	t.Parallel()
 	b := setup(t, dedupactivity.Options{})
+	in := Transfer{Account: "a", Amount: 1}
+	theirs := Posting{EntryID: 99, Balance: 99}
 	dedupactivity.SetAfterClaimHook(b.d, func(ctx context.Context, tx pgx.Tx) error {
-		_, err := tx.Exec(ctx, `DELETE FROM dedup_marker`)
-		return err
+		id := dedupactivity.IdentityFromInfo(activity.GetInfo(ctx))
+		h := id.Hash()
+		fp, err := dedupactivity.Fingerprint(in)
+		if err != nil {
+			return err
+		}
+		p, err := converter.GetDefaultDataConverter().ToPayload(theirs)
+		if err != nil {
+			return err
+		}
+		result, err := proto.Marshal(p)
+		if err != nil {
+			return err
+		}
+		return pgx.BeginFunc(ctx, b.pool, func(old pgx.Tx) error {
+			if _, err := old.Exec(ctx, `SELECT dedup_marker_claim($1, $2, 'Post', $3, 1::smallint, 1, 3600, NULL, '1s')`, h[:], id.Encode(), fp); err != nil {
+				return err
+			}
+			_, err := old.Exec(ctx, `UPDATE dedup_marker SET result = $2 WHERE id_hash = $1`, h[:], result)
+			return err
+		})
 	})
 	fn := dedupactivity.Wrap(b.d, b.post)
-	_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
-	require.ErrorContains(t, err, "store result")
-	require.Zero(t, b.ledgerRows(t), "the effect rolled back")
-	require.Zero(t, b.markers(t))
+	got, err := deliver(t, "Post", fn, in)
+	require.NoError(t, err)
+	require.Equal(t, theirs, got, "the stored result of the attempt that committed")
+	require.Equal(t, int64(1), b.effects.Load(), "the effect ran")
+	require.Zero(t, b.ledgerRows(t), "and rolled back")
+	require.Equal(t, int64(1), b.markers(t))
 }
 
 // TestClaimWaitCutByDeadline: the wait for a holder ends before the caller's

@@ -2,6 +2,8 @@ package dedupactivity
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/binary"
 	"fmt"
 
 	"github.com/jackc/pgx/v5"
@@ -15,10 +17,12 @@ type Deduper struct {
 	pool  *pgxpool.Pool
 	opts  Options
 	table string // schema-qualified, quoted table name
-	// claimFunc is the qualified name of the claim function.
-	claimFunc string
-	q         queries
-	tel       *telemetry
+	// lockFunc is the qualified name of the claim's lock function.
+	lockFunc string
+	// lockSalt mixes the table into event lock keys.
+	lockSalt uint64
+	q        queries
+	tel      *telemetry
 
 	// afterClaim, when set (tests only), runs after the marker insert and
 	// before the effect, inside the claim transaction.
@@ -41,7 +45,9 @@ func New(pool *pgxpool.Pool, opts Options) (*Deduper, error) {
 	}
 	d := &Deduper{pool: pool, opts: opts, tel: tel}
 	d.table = d.qualify(opts.Table)
-	d.claimFunc = d.qualify(opts.Table + "_claim")
+	d.lockFunc = d.qualify(opts.Table + "_lock")
+	salt := sha256.Sum256([]byte("dedupactivity.event:" + d.table))
+	d.lockSalt = binary.BigEndian.Uint64(salt[:8])
 	d.q = newQueries(d.table, opts.PartitionInterval > 0, d.qualify(opts.Table+"_default"))
 	return d, nil
 }
@@ -51,22 +57,25 @@ func (d *Deduper) Options() Options { return d.opts }
 
 // queries holds the SQL with the table name filled in once.
 type queries struct {
-	selectStoredLiteral, storeResult, prune string
+	selectStoredLiteral, insertMarker, prune string
 }
 
 // newQueries builds the queries for table. In the partitioned layout the
-// result is stored by (id_hash, scheduled_at), and row-by-row pruning covers
-// only the default partition (the others are dropped whole).
+// marker also carries its partition key, and row-by-row pruning covers only
+// the default partition (the others are dropped whole).
 func newQueries(table string, partitioned bool, defaultPartition string) queries {
-	key, pruned := `id_hash = $1`, table
+	keyCol, keyVal, pruned := ``, ``, table
 	if partitioned {
-		key, pruned = `id_hash = $1 AND scheduled_at = $3`, defaultPartition
+		keyCol, keyVal, pruned = `, scheduled_at`, `, $10`, defaultPartition
 	}
 	return queries{
 		// Completed with a literal; for the simple protocol.
 		selectStoredLiteral: `SELECT fingerprint, fingerprint_alg, result, attempt FROM ` + table + ` WHERE id_hash = `,
-		// Fails (division by zero) unless it updated the marker.
-		storeResult: `WITH u AS (UPDATE ` + table + ` SET result = $2 WHERE ` + key + ` RETURNING 1) SELECT 1 / count(*) FROM u`,
+		// Fails (division by zero) unless it inserted the marker.
+		insertMarker: `WITH i AS (INSERT INTO ` + table + ` (id_hash, identity, activity_type, fingerprint, fingerprint_alg, attempt, result, expires_at` + keyCol + `)
+	VALUES ($1, $2, $3, $4, $5, $6, $7, GREATEST(now() + make_interval(secs => $8), $9::timestamptz)` + keyVal + `)
+	ON CONFLICT DO NOTHING RETURNING 1)
+SELECT 1 / count(*) FROM i`,
 		prune: `DELETE FROM ` + pruned + ` WHERE id_hash = ANY (ARRAY(
 	SELECT id_hash FROM ` + pruned + ` WHERE expires_at < now()
 	ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED))`,

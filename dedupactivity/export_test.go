@@ -6,8 +6,9 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-// SetAfterClaimHook installs a hook that runs after the marker insert and
-// before the effect, inside the claim transaction.
+// SetAfterClaimHook installs a hook that runs after the claim (the event's
+// lock and the look for its marker) and before the effect, inside the claim
+// transaction.
 func SetAfterClaimHook(d *Deduper, hook func(ctx context.Context, tx pgx.Tx) error) {
 	d.afterClaim = hook
 }

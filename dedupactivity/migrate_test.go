@@ -49,23 +49,33 @@ func TestMigrateIsIdempotentAndConcurrent(t *testing.T) {
 
 func TestMigrationFilesWorkAsTheyAre(t *testing.T) {
 	t.Parallel()
-	s := pgtest.NewSchema(t)
-	ctx := context.Background()
-	migs, err := dedupactivity.Migrations()
-	require.NoError(t, err)
-	require.NotEmpty(t, migs)
-	for _, m := range migs {
-		require.Contains(t, m.Up, "dedup_marker")
-		_, err := s.Pool.Exec(ctx, m.Up)
-		require.NoError(t, err, "up %d", m.Version)
+	layouts := map[string]func() ([]dedupactivity.Migration, error){
+		"default":     dedupactivity.Migrations,
+		"partitioned": dedupactivity.PartitionedMigrations,
 	}
-	for i := len(migs) - 1; i >= 0; i-- {
-		_, err := s.Pool.Exec(ctx, migs[i].Down)
-		require.NoError(t, err, "down %d", migs[i].Version)
+	for name, load := range layouts {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			s := pgtest.NewSchema(t)
+			ctx := context.Background()
+			migs, err := load()
+			require.NoError(t, err)
+			require.NotEmpty(t, migs)
+			for _, m := range migs {
+				require.Contains(t, m.Up, "dedup_marker")
+				_, err := s.Pool.Exec(ctx, m.Up)
+				require.NoError(t, err, "up %d", m.Version)
+			}
+			for i := len(migs) - 1; i >= 0; i-- {
+				_, err := s.Pool.Exec(ctx, migs[i].Down)
+				require.NoError(t, err, "down %d", migs[i].Version)
+			}
+			var n int
+			require.NoError(t, s.Pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM pg_tables WHERE schemaname = $1)
+	+ (SELECT count(*) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = $1)`, s.Name).Scan(&n))
+			require.Zero(t, n, "down migrations remove every table and function")
+		})
 	}
-	var n int
-	require.NoError(t, s.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_tables WHERE schemaname = $1`, s.Name).Scan(&n))
-	require.Zero(t, n, "down migrations remove everything")
 }
 
 func TestPrune(t *testing.T) {

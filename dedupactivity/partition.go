@@ -43,7 +43,7 @@ func (d *Deduper) EnsurePartitions(ctx context.Context) (int, error) {
 		if have[name] {
 			continue
 		}
-		sql := fmt.Sprintf(`CREATE TABLE %s PARTITION OF %s FOR VALUES FROM (%s) TO (%s) WITH (fillfactor = 80)`,
+		sql := fmt.Sprintf(`CREATE TABLE %s PARTITION OF %s FOR VALUES FROM (%s) TO (%s)`,
 			d.qualify(name), d.table, timeLiteral(lo), timeLiteral(lo.Add(iv)))
 		err := d.maintain(ctx, func(tx pgx.Tx) error {
 			_, err := tx.Exec(ctx, sql)

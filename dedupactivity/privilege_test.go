@@ -25,8 +25,9 @@ func TestLeastPrivilegeRole(t *testing.T) {
 	_, err := b.pool.Exec(ctx, fmt.Sprintf(`
 CREATE ROLE %[2]s LOGIN PASSWORD 'pw';
 GRANT USAGE ON SCHEMA %[1]s TO %[2]s;
+REVOKE EXECUTE ON ALL FUNCTIONS IN SCHEMA %[1]s FROM PUBLIC;
 GRANT SELECT, INSERT, UPDATE, DELETE ON %[1]s.dedup_marker TO %[2]s;
-GRANT EXECUTE ON FUNCTION %[1]s.dedup_marker_claim(bytea, bytea, text, bytea, smallint, integer, double precision, timestamptz, text) TO %[2]s;
+GRANT EXECUTE ON FUNCTION %[1]s.dedup_marker_lock(bytea, bigint, text) TO %[2]s;
 -- the effect's own tables
 GRANT SELECT, INSERT, UPDATE ON %[1]s.ledger, %[1]s.account TO %[2]s;
 GRANT USAGE ON SEQUENCE %[1]s.ledger_id_seq TO %[2]s;`, s, r))

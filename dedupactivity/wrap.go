@@ -198,13 +198,13 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 		return out, OutcomeError, err
 	}
 
-	claimedOut, claimed := out, false
+	var claimedOut Out
 	result, err := w.d.apply(ctx, ev, rec, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
 		o, err := w.fn(ctx, tx, in)
 		if err != nil {
 			return nil, effectError{err}
 		}
-		claimedOut, claimed = o, true
+		claimedOut = o
 		return w.encode(o)
 	})
 	if err != nil {
@@ -214,9 +214,11 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 		}
 		return out, rec.outcome, err
 	}
-	if claimed {
+	if rec.outcome == OutcomeClaimed {
 		return claimedOut, rec.outcome, nil
 	}
+	// A duplicate, possibly found only when the marker insert conflicted
+	// after the effect ran (and rolled back): its output is not the result.
 	if result == nil {
 		return out, rec.outcome, nil // results are not stored: the zero value
 	}

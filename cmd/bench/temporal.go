@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"sort"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -17,7 +18,8 @@ import (
 )
 
 type temporalResult struct {
-	bare, wrapped float64 // activities per second
+	bare, wrapped float64   // activities per second over all rounds
+	ratios        []float64 // wrapped/bare per ABBA round, sorted
 	activities    int
 	rounds        int
 }
@@ -40,8 +42,8 @@ func fanOut(ctx workflow.Context, activityType, prefix string, n int) error {
 
 // temporalThroughput compares, on a real dev server, a wrapped activity with
 // the same effect unwrapped: ABBA-interleaved rounds of total activities.
-func temporalThroughput(ctx context.Context, url string, total int) (temporalResult, error) {
-	res := temporalResult{activities: total, rounds: 2}
+func temporalThroughput(ctx context.Context, url string, total, rounds int) (temporalResult, error) {
+	res := temporalResult{activities: total, rounds: rounds}
 	srv, err := temporaltest.Start(ctx, temporaltest.Options{})
 	if err != nil {
 		return res, err
@@ -101,23 +103,29 @@ func temporalThroughput(ctx context.Context, url string, total int) (temporalRes
 		}
 		return time.Since(t0), nil
 	}
-	if _, err := measure("Bare", -1); err != nil { // warm up
-		return res, err
+	for _, ty := range []string{"Bare", "Wrapped"} { // warm up
+		if _, err := measure(ty, -1); err != nil {
+			return res, err
+		}
 	}
 	var bareT, wrappedT time.Duration
 	for r := range res.rounds {
+		var roundBare, roundWrapped time.Duration
 		for _, ty := range []string{"Bare", "Wrapped", "Wrapped", "Bare"} {
 			dt, err := measure(ty, r)
 			if err != nil {
 				return res, err
 			}
 			if ty == "Bare" {
-				bareT += dt
+				roundBare += dt
 			} else {
-				wrappedT += dt
+				roundWrapped += dt
 			}
 		}
+		bareT, wrappedT = bareT+roundBare, wrappedT+roundWrapped
+		res.ratios = append(res.ratios, roundBare.Seconds()/roundWrapped.Seconds())
 	}
+	sort.Float64s(res.ratios)
 	n := float64(total * 2 * res.rounds)
 	res.bare, res.wrapped = n/bareT.Seconds(), n/wrappedT.Seconds()
 	return res, nil

@@ -1,0 +1,52 @@
+package dedupactivity_test
+
+import (
+	"context"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/dedupactivity/dedupactivity/dedupactivity"
+)
+
+// TestClaimLiteralsCarryAnyText: the claim is sent as literals in a simple
+// query, so text that could end a literal or start an escape must arrive as
+// it is (or, for bytes text cannot hold, as U+FFFD) and claim exactly one
+// event per identity.
+func TestClaimLiteralsCarryAnyText(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	ctx := context.Background()
+	cases := map[string]string{ // activity type sent -> stored
+		`it's`:                       `it's`,
+		`back\slash`:                 `back\slash`,
+		`\'); DROP TABLE ledger; --`: `\'); DROP TABLE ledger; --`,
+		`E'\\x00' $$ $tag$ "q"`:      `E'\\x00' $$ $tag$ "q"`,
+		"nul\x00byte":                "nul\uFFFDbyte",
+		"bad\xffutf8":                "bad\uFFFDutf8",
+		"naïve ✓ 日本":                 "naïve ✓ 日本",
+		"trailing backslash \\":      "trailing backslash \\",
+		"line\nbreak\ttab\r":         "line\nbreak\ttab\r",
+		"quote at end '":             "quote at end '",
+		"''":                         "''",
+	}
+	for sent, want := range cases {
+		id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, Namespace: sent, ActivityType: sent, Key: sent}
+		in := Transfer{Account: "a", Amount: 1}
+		_, outcome, err := dedupactivity.Do(ctx, b.d, id, in, b.post)
+		require.NoError(t, err, "%q", sent)
+		require.Equal(t, dedupactivity.OutcomeClaimed, outcome, "%q", sent)
+		_, outcome, err = dedupactivity.Do(ctx, b.d, id, in, b.post)
+		require.NoError(t, err, "%q", sent)
+		require.Equal(t, dedupactivity.OutcomeDuplicate, outcome, "%q", sent)
+
+		var typ string
+		var stored []byte
+		h := id.Hash()
+		require.NoError(t, b.pool.QueryRow(ctx, `SELECT activity_type, identity FROM dedup_marker WHERE id_hash = $1`, h[:]).Scan(&typ, &stored))
+		require.Equal(t, want, typ, "%q", sent)
+		require.Equal(t, id.Encode(), stored, "%q: the identity bytes are stored exactly", sent)
+	}
+	require.Equal(t, int64(len(cases)), b.ledgerRows(t))
+	require.Equal(t, int64(len(cases)), b.markers(t))
+}
