@@ -39,9 +39,10 @@ var (
 	// or a result, or cannot decode a stored result.
 	ErrEncoding = errors.New("dedupactivity: payload encoding failed")
 
-	// ErrNotMigrated is returned when the marker table does not exist: run
-	// Deduper.Migrate (or apply the files in migrations/) first.
-	ErrNotMigrated = errors.New("dedupactivity: marker table missing (run Migrate)")
+	// ErrNotMigrated is returned when the marker table, or a function a
+	// later migration adds, does not exist: run Deduper.Migrate (or apply
+	// the files in migrations/) first, also after upgrading this package.
+	ErrNotMigrated = errors.New("dedupactivity: marker table or function missing (run Migrate)")
 
 	// ErrInvalidOptions is returned (wrapped, naming the field) by New and
 	// by wrapped activities built with invalid options.

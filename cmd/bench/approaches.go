@@ -21,6 +21,7 @@ type bench struct {
 	pool   *pgxpool.Pool
 	writes *atomic.Int64
 	d      *dedupactivity.Deduper
+	cpu    cpuMeter
 }
 
 // approach delivers one event with a key; dup reports a detected duplicate.
@@ -162,11 +163,24 @@ type cell struct {
 	elapsed   time.Duration
 	latencies []time.Duration
 	errors    int
+	// CPU time spent by the server (-1: unknown) and by this process.
+	serverCPU, clientCPU time.Duration
 }
 
 func (c *cell) throughput() float64 { return float64(c.events) / c.elapsed.Seconds() }
 
 func (c *cell) pct(p float64) time.Duration { return percentile(c.latencies, p) }
+
+// cpuPerEvent formats the server's and the client's CPU time per event in
+// microseconds ("n/a" when unknown).
+func (c *cell) cpuPerEvent() (server, client string) {
+	per := func(d time.Duration) string { return fmt.Sprintf("%.0f", float64(d.Microseconds())/float64(c.events)) }
+	server = "n/a"
+	if c.serverCPU >= 0 {
+		server = per(c.serverCPU)
+	}
+	return server, per(c.clientCPU)
+}
 
 func percentile(ls []time.Duration, p float64) time.Duration {
 	if len(ls) == 0 {
@@ -185,6 +199,7 @@ func (b *bench) load(ctx context.Context, a approach, conc int, d time.Duration,
 		seq    atomic.Int64
 		failed atomic.Int64
 	)
+	server0, client0 := b.cpu.read()
 	start := time.Now()
 	deadline := start.Add(d)
 	for g := range conc {
@@ -209,6 +224,13 @@ func (b *bench) load(ctx context.Context, a approach, conc int, d time.Duration,
 	}
 	wg.Wait()
 	c.elapsed += time.Since(start)
+	server1, client1 := b.cpu.read()
+	c.clientCPU += client1 - client0
+	if server0 < 0 || c.serverCPU < 0 {
+		c.serverCPU = -1
+	} else {
+		c.serverCPU += server1 - server0
+	}
 	c.errors += int(failed.Load())
 	if failed.Load() > 0 {
 		return fmt.Errorf("%d deliveries failed", failed.Load())

@@ -60,7 +60,7 @@ func run() error {
 	var cfg config
 	var levels string
 	flag.DurationVar(&cfg.duration, "duration", 2*time.Second, "time per approach per concurrency level per round")
-	flag.IntVar(&cfg.rounds, "rounds", 3, "interleaved rounds")
+	flag.IntVar(&cfg.rounds, "rounds", 4, "interleaved rounds")
 	flag.StringVar(&levels, "concurrency", "1,8,32", "concurrency levels")
 	flag.IntVar(&cfg.markers, "markers", 10_000_000, "markers in the table for the large-table claim measurement")
 	flag.IntVar(&cfg.doubles, "doubles", 300, "events delivered twice concurrently, per approach")
@@ -79,7 +79,7 @@ func run() error {
 	}
 	ctx := context.Background()
 
-	url := os.Getenv("BENCH_DATABASE_URL")
+	url, dataDir := os.Getenv("BENCH_DATABASE_URL"), ""
 	if url == "" {
 		fmt.Println("starting a PostgreSQL cluster from the local binaries (fsync on, synchronous_commit on)")
 		c, err := pgtest.StartCluster("-c fsync=on -c synchronous_commit=on -c full_page_writes=on -c shared_buffers=512MB")
@@ -87,7 +87,7 @@ func run() error {
 			return fmt.Errorf("start PostgreSQL (or set BENCH_DATABASE_URL): %w", err)
 		}
 		defer c.Destroy() //nolint:errcheck // best effort at exit
-		url = c.URL()
+		url, dataDir = c.URL(), filepath.Join(c.Dir, "data")
 	}
 	var writes atomic.Int64
 	pool, err := openPool(ctx, url, 40, &writes)
@@ -95,7 +95,7 @@ func run() error {
 		return err
 	}
 	defer pool.Close()
-	b := &bench{pool: pool, writes: &writes}
+	b := &bench{pool: pool, writes: &writes, cpu: newCPUMeter(dataDir)}
 	if err := b.setup(ctx); err != nil {
 		return err
 	}

@@ -48,16 +48,18 @@ func (r *report) write() error {
 	fmt.Fprintf(&b, "Every approach applies the same effect (INSERT a ledger row + UPDATE one of %d balance rows) to new events; rounds: %d x %s per approach and concurrency level, interleaved in random order.\n\n", accounts, r.cfg.rounds, r.cfg.duration)
 
 	fmt.Fprintf(&b, "## Throughput and latency (first deliveries)\n\n")
-	fmt.Fprintf(&b, "| approach | concurrency | events/s | vs bare | p50 ms | p99 ms |\n|---|---:|---:|---:|---:|---:|\n")
+	fmt.Fprintf(&b, "| approach | concurrency | events/s | vs bare | p50 ms | p99 ms | server CPU µs/event | client CPU µs/event |\n|---|---:|---:|---:|---:|---:|---:|---:|\n")
 	for _, c := range r.cells {
 		bare := r.cell("bare", c.conc)
-		fmt.Fprintf(&b, "| %s | %d | %.0f | %.2fx | %s | %s |\n", c.approach, c.conc, c.throughput(), c.throughput()/bare.throughput(), ms(c.pct(0.5)), ms(c.pct(0.99)))
+		server, client := c.cpuPerEvent()
+		fmt.Fprintf(&b, "| %s | %d | %.0f | %.2fx | %s | %s | %s | %s |\n", c.approach, c.conc, c.throughput(), c.throughput()/bare.throughput(), ms(c.pct(0.5)), ms(c.pct(0.99)), server, client)
 	}
 	fmt.Fprintf(&b, "\nRatios dedupactivity / status-record:")
 	for _, conc := range r.cfg.levels {
 		fmt.Fprintf(&b, " %d: %.2fx;", conc, r.cell("dedupactivity", conc).throughput()/r.cell("status-record", conc).throughput())
 	}
-	fmt.Fprintf(&b, "\n\nThe floor row is a bound, not an approach: the effect plus the least a claim-first design with a durable row per event can write (a 32-byte key into a one-index table, in the BEGIN round trip; no result, no identity, no expiry, duplicates fail on the key). No such design can beat its ratio to bare on this machine.\n")
+	fmt.Fprintf(&b, "\n\nServer CPU is the PostgreSQL processes' (postmaster and children, from /proc), client CPU this process's (it includes the Go runtime's idle spinning, so it overstates at low concurrency). Both compete for the same cores here: from concurrency 8 the machine is CPU-bound, and throughput follows the total CPU per event.\n")
+	fmt.Fprintf(&b, "\nThe floor row is a bound, not an approach: the effect plus the least a claim-first design with a durable row per event can write (a 32-byte key into a one-index table, in the BEGIN round trip; no result, no identity, no expiry, duplicates fail on the key). No such design can beat its ratio to bare on this machine.\n")
 	fmt.Fprintf(&b, "\n![throughput and p99 by concurrency](bench.png)\n\n")
 
 	fmt.Fprintf(&b, "## Round trips per event (client writes on a warm connection)\n\n| approach | first delivery | duplicate delivery |\n|---|---:|---:|\n")
