@@ -74,7 +74,7 @@ func effect(ctx context.Context, tx pgx.Tx, in posting) (receipt, error) {
 }
 
 func (b *bench) approaches() []approach {
-	return []approach{
+	return append([]approach{
 		{name: "bare", deliver: func(ctx context.Context, key string, in posting) (bool, error) {
 			return false, pgx.BeginFunc(ctx, b.pool, func(tx pgx.Tx) error {
 				_, err := effect(ctx, tx, in)
@@ -144,7 +144,7 @@ func (b *bench) approaches() []approach {
 				return err
 			})
 		}},
-	}
+	}, b.protocolApproaches()...)
 }
 
 func encode(r receipt) []byte {
@@ -165,11 +165,30 @@ type cell struct {
 	errors    int
 	// CPU time spent by the server (-1: unknown) and by this process.
 	serverCPU, clientCPU time.Duration
+	walBytes             int64 // WAL written; -1: unknown
 }
 
 func (c *cell) throughput() float64 { return float64(c.events) / c.elapsed.Seconds() }
 
 func (c *cell) pct(p float64) time.Duration { return percentile(c.latencies, p) }
+
+// walBytes is the server's WAL insert position in bytes (WAL written so
+// far by everyone), or -1.
+func (b *bench) walBytes(ctx context.Context) int64 {
+	var n int64
+	if err := b.pool.QueryRow(ctx, `SELECT (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint`).Scan(&n); err != nil {
+		return -1
+	}
+	return n
+}
+
+// walPerEvent formats the WAL bytes per event ("n/a" when unknown).
+func (c *cell) walPerEvent() string {
+	if c.walBytes < 0 {
+		return "n/a"
+	}
+	return fmt.Sprintf("%.0f", float64(c.walBytes)/float64(c.events))
+}
 
 // cpuPerEvent formats the server's and the client's CPU time per event in
 // microseconds ("n/a" when unknown).
@@ -199,6 +218,7 @@ func (b *bench) load(ctx context.Context, a approach, conc int, d time.Duration,
 		seq    atomic.Int64
 		failed atomic.Int64
 	)
+	wal0 := b.walBytes(ctx)
 	server0, client0 := b.cpu.read()
 	start := time.Now()
 	deadline := start.Add(d)
@@ -225,6 +245,11 @@ func (b *bench) load(ctx context.Context, a approach, conc int, d time.Duration,
 	wg.Wait()
 	c.elapsed += time.Since(start)
 	server1, client1 := b.cpu.read()
+	if wal1 := b.walBytes(ctx); wal0 < 0 || wal1 < 0 || c.walBytes < 0 {
+		c.walBytes = -1
+	} else {
+		c.walBytes += wal1 - wal0
+	}
 	c.clientCPU += client1 - client0
 	if server0 < 0 || c.serverCPU < 0 {
 		c.serverCPU = -1

@@ -48,11 +48,11 @@ func (r *report) write() error {
 	fmt.Fprintf(&b, "Every approach applies the same effect (INSERT a ledger row + UPDATE one of %d balance rows) to new events; rounds: %d x %s per approach and concurrency level, interleaved in random order.\n\n", accounts, r.cfg.rounds, r.cfg.duration)
 
 	fmt.Fprintf(&b, "## Throughput and latency (first deliveries)\n\n")
-	fmt.Fprintf(&b, "| approach | concurrency | events/s | vs bare | p50 ms | p99 ms | server CPU µs/event | client CPU µs/event |\n|---|---:|---:|---:|---:|---:|---:|---:|\n")
+	fmt.Fprintf(&b, "| approach | concurrency | events/s | vs bare | p50 ms | p99 ms | server CPU µs/event | client CPU µs/event | WAL bytes/event |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
 	for _, c := range r.cells {
 		bare := r.cell("bare", c.conc)
 		server, client := c.cpuPerEvent()
-		fmt.Fprintf(&b, "| %s | %d | %.0f | %.2fx | %s | %s | %s | %s |\n", c.approach, c.conc, c.throughput(), c.throughput()/bare.throughput(), ms(c.pct(0.5)), ms(c.pct(0.99)), server, client)
+		fmt.Fprintf(&b, "| %s | %d | %.0f | %.2fx | %s | %s | %s | %s | %s |\n", c.approach, c.conc, c.throughput(), c.throughput()/bare.throughput(), ms(c.pct(0.5)), ms(c.pct(0.99)), server, client, c.walPerEvent())
 	}
 	fmt.Fprintf(&b, "\nRatios dedupactivity / status-record:")
 	for _, conc := range r.cfg.levels {
@@ -89,7 +89,7 @@ func (r *report) write() error {
 
 	if r.temporal.bare > 0 {
 		rs := r.temporal.ratios
-		fmt.Fprintf(&b, "\n## On a Temporal dev server\n\n%d activities per measurement, 8 workflows fanning out, %d ABBA rounds, 64 concurrent activity slots.\n\n| activity | activities/s |\n|---|---:|\n| unwrapped (effect in a transaction) | %.0f |\n| wrapped by dedupactivity | %.0f (%.2fx) |\n\nWrapped/unwrapped by round: median %.2fx, range %.2fx to %.2fx.\n",
+		fmt.Fprintf(&b, "\n## On a Temporal dev server\n\n%d activities per measurement, 8 workflows fanning out, %d ABBA rounds, 64 concurrent activity slots, 8 activity and 8 workflow task pollers.\n\n| activity | activities/s |\n|---|---:|\n| unwrapped (effect in a transaction) | %.0f |\n| wrapped by dedupactivity | %.0f (%.2fx) |\n\nWrapped/unwrapped by round: median %.2fx, range %.2fx to %.2fx.\n",
 			r.temporal.activities, r.temporal.rounds, r.temporal.bare, r.temporal.wrapped, r.temporal.wrapped/r.temporal.bare,
 			rs[len(rs)/2], rs[0], rs[len(rs)-1])
 	}

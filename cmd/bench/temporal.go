@@ -67,7 +67,13 @@ func temporalThroughput(ctx context.Context, url string, total, rounds int) (tem
 	}
 	defer c.Close()
 	const taskQueue = "bench"
-	w := worker.New(c, taskQueue, worker.Options{MaxConcurrentActivityExecutionSize: 64})
+	w := worker.New(c, taskQueue, worker.Options{
+		MaxConcurrentActivityExecutionSize: 64,
+		// More pollers than the default 2, so that the dev server, not task
+		// delivery, bounds the rate.
+		MaxConcurrentActivityTaskPollers: 8,
+		MaxConcurrentWorkflowTaskPollers: 8,
+	})
 	w.RegisterWorkflowWithOptions(fanOut, workflow.RegisterOptions{Name: "FanOut"})
 	w.RegisterActivityWithOptions(func(ctx context.Context, in posting) (receipt, error) {
 		var r receipt

@@ -1,0 +1,73 @@
+package main
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/binary"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/dedupactivity/dedupactivity/dedupactivity"
+)
+
+// protocolApproaches are reference rows that issue dedupactivity's SQL by
+// hand, without the library's Go side (fingerprint, result encoding,
+// telemetry), on the same marker table: the claim of this version (lock and
+// look in the BEGIN round trip, marker inserted with its result in the
+// COMMIT round trip) and the claim before migration 003 (marker inserted in
+// the BEGIN round trip, result stored by an UPDATE in the COMMIT round trip).
+// Side by side they show what writing the marker once is worth; against the
+// dedupactivity row, what the library's Go side costs.
+func (b *bench) protocolApproaches() []approach {
+	type marker struct {
+		hash, enc, fingerprint []byte
+		lockKey                int64
+	}
+	newMarker := func(key string) marker {
+		id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, Namespace: "bench", ActivityType: "Post", Key: key}
+		h := id.Hash()
+		fp := sha256.Sum256([]byte("input:" + key))
+		return marker{hash: h[:], enc: id.Encode(), fingerprint: fp[:], lockKey: int64(binary.BigEndian.Uint64(h[:8]))}
+	}
+	// run begins with begin, applies the effect and commits with commit
+	// (which gets the effect's result) in one pipelined round trip.
+	run := func(ctx context.Context, begin string, in posting, commit func(b *pgx.Batch, result []byte)) error {
+		conn, err := b.pool.Acquire(ctx)
+		if err != nil {
+			return err
+		}
+		defer conn.Release()
+		tx, err := conn.Conn().BeginTx(ctx, pgx.TxOptions{BeginQuery: begin})
+		if err != nil {
+			return err
+		}
+		r, err := effect(ctx, tx, in)
+		if err != nil {
+			_ = tx.Rollback(ctx)
+			return err
+		}
+		batch := &pgx.Batch{}
+		commit(batch, encode(r))
+		batch.Queue("COMMIT")
+		return conn.SendBatch(ctx, batch).Close()
+	}
+	return []approach{
+		{name: "by hand: lock, effect, insert marker + result (this version)", reference: true, deliver: func(ctx context.Context, key string, in posting) (bool, error) {
+			m := newMarker(key)
+			begin := fmt.Sprintf(`BEGIN ISOLATION LEVEL READ COMMITTED; SELECT dedup_marker_lock(E'\\x%x'::bytea, %d, '30000ms')`, m.hash, m.lockKey)
+			return false, run(ctx, begin, in, func(batch *pgx.Batch, result []byte) {
+				batch.Queue(`WITH i AS (INSERT INTO dedup_marker (id_hash, identity, activity_type, fingerprint, fingerprint_alg, attempt, result, expires_at)
+	VALUES ($1, $2, 'Post', $3, 1, 1, $4, now() + interval '30 days') ON CONFLICT DO NOTHING RETURNING 1)
+SELECT 1 / count(*) FROM i`, m.hash, m.enc, m.fingerprint, result)
+			})
+		}},
+		{name: "by hand: insert marker, effect, update result (before 003)", reference: true, deliver: func(ctx context.Context, key string, in posting) (bool, error) {
+			m := newMarker(key)
+			begin := fmt.Sprintf(`BEGIN ISOLATION LEVEL READ COMMITTED; SELECT dedup_marker_claim(E'\\x%x'::bytea, E'\\x%x'::bytea, 'Post', E'\\x%x'::bytea, 1::smallint, 1, 2592000, NULL::timestamptz, '30000ms')`, m.hash, m.enc, m.fingerprint)
+			return false, run(ctx, begin, in, func(batch *pgx.Batch, result []byte) {
+				batch.Queue(`WITH u AS (UPDATE dedup_marker SET result = $2 WHERE id_hash = $1 RETURNING 1) SELECT 1 / count(*) FROM u`, m.hash, result)
+			})
+		}},
+	}
+}
