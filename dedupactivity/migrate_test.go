@@ -6,9 +6,12 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
+	"go.temporal.io/sdk/converter"
 	"go.temporal.io/sdk/temporal"
 	"go.temporal.io/sdk/workflow"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 	"github.com/dedupactivity/dedupactivity/internal/pgtest"
@@ -160,4 +163,71 @@ func TestRedeliveryWarning(t *testing.T) {
 			require.Equal(t, c.warn, w != "", w)
 		})
 	}
+}
+
+// TestUpgradeFrom002: a table made by an earlier version (migrations 001 and
+// 002, markers written by the claim of that version: insert, then update the
+// result) is upgraded by Migrate, which applies only what is new, and its
+// markers are duplicates for this version's claim.
+func TestUpgradeFrom002(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t)
+	ctx := context.Background()
+	migs, err := dedupactivity.Migrations()
+	require.NoError(t, err)
+	_, err = s.Pool.Exec(ctx, `CREATE TABLE dedup_marker_migration (
+	version    integer     PRIMARY KEY,
+	name       text        NOT NULL,
+	applied_at timestamptz NOT NULL DEFAULT now())`)
+	require.NoError(t, err)
+	for _, m := range migs[:2] {
+		_, err := s.Pool.Exec(ctx, m.Up)
+		require.NoError(t, err)
+		_, err = s.Pool.Exec(ctx, `INSERT INTO dedup_marker_migration (version, name) VALUES ($1, $2)`, m.Version, m.Name)
+		require.NoError(t, err)
+	}
+
+	// A marker written by the earlier claim, with its stored result.
+	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "old"}
+	in := Transfer{Account: "a", Amount: 4}
+	h := id.Hash()
+	fp, err := dedupactivity.Fingerprint(in)
+	require.NoError(t, err)
+	p, err := converter.GetDefaultDataConverter().ToPayload(Posting{EntryID: 7, Balance: 4})
+	require.NoError(t, err)
+	result, err := proto.Marshal(p)
+	require.NoError(t, err)
+	require.NoError(t, pgx.BeginFunc(ctx, s.Pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `SELECT dedup_marker_claim($1, $2, 'Post', $3, 1::smallint, 1, 3600, NULL, '1s')`, h[:], id.Encode(), fp); err != nil {
+			return err
+		}
+		_, err := tx.Exec(ctx, `UPDATE dedup_marker SET result = $2 WHERE id_hash = $1`, h[:], result)
+		return err
+	}))
+
+	d, err := dedupactivity.New(s.Pool, dedupactivity.Options{})
+	require.NoError(t, err)
+	var ran int
+	post := func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+		ran++
+		return Posting{EntryID: 100, Balance: in.Amount}, nil
+	}
+	_, _, err = dedupactivity.Do(ctx, d, id, in, post)
+	require.ErrorIs(t, err, dedupactivity.ErrNotMigrated, "this version's claim needs migration 003")
+
+	require.NoError(t, d.Migrate(ctx))
+	rows, err := s.Pool.Query(ctx, `SELECT version FROM dedup_marker_migration ORDER BY version`)
+	require.NoError(t, err)
+	versions, err := pgx.CollectRows(rows, pgx.RowTo[int])
+	require.NoError(t, err)
+	require.Equal(t, []int{1, 2, 3}, versions)
+
+	got, outcome, err := dedupactivity.Do(ctx, d, id, in, post)
+	require.NoError(t, err)
+	require.Equal(t, dedupactivity.OutcomeDuplicate, outcome)
+	require.Equal(t, Posting{EntryID: 7, Balance: 4}, got, "the result the earlier version stored")
+	_, outcome, err = dedupactivity.Do(ctx, d, dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "new"}, in, post)
+	require.NoError(t, err)
+	require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
+	require.Equal(t, 1, ran)
 }
