@@ -24,8 +24,9 @@ type Deduper struct {
 	q        queries
 	tel      *telemetry
 
-	// afterClaim, when set (tests only), runs after the marker insert and
-	// before the effect, inside the claim transaction.
+	// afterClaim, when set (tests only), runs after the claim (the event's
+	// lock and the look for its marker) and before the effect, inside the
+	// claim transaction.
 	afterClaim func(ctx context.Context, tx pgx.Tx) error
 }
 

@@ -136,9 +136,10 @@ type record struct {
 }
 
 func (t *telemetry) start(ctx context.Context, info activity.Info, id Identity, hash [32]byte) (context.Context, *record) {
-	ctx, span := t.tracer.Start(ctx, "Dedup:"+info.ActivityType.Name, trace.WithSpanKind(trace.SpanKindInternal))
-	if span.IsRecording() { // not built for spans nobody keeps
-		span.SetAttributes(
+	// The attributes go in at Start, where a sampler can see them.
+	ctx, span := t.tracer.Start(ctx, "Dedup:"+info.ActivityType.Name,
+		trace.WithSpanKind(trace.SpanKindInternal),
+		trace.WithAttributes(
 			DBSystemKey.String("postgresql"),
 			ActivityTypeKey.String(info.ActivityType.Name),
 			ActivityIDKey.String(info.ActivityID),
@@ -148,8 +149,7 @@ func (t *telemetry) start(ctx context.Context, info activity.Info, id Identity, 
 			NamespaceKey.String(info.Namespace),
 			IdentityKindKey.String(id.Kind.String()),
 			IdentityHashKey.String(hex.EncodeToString(hash[:])),
-		)
-	}
+		))
 	return ctx, &record{span: span, activityType: info.ActivityType.Name}
 }
 
