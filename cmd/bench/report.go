@@ -94,6 +94,8 @@ func (r *report) write() error {
 			rs[len(rs)/2], rs[0], rs[len(rs)-1])
 	}
 
+	r.targets(&b)
+
 	md := filepath.Join(r.cfg.out, "bench.md")
 	if err := ensureDir(md); err != nil {
 		return err
@@ -154,4 +156,54 @@ func (r *report) chart(path string) error {
 		return err
 	}
 	return f.Close()
+}
+
+// targets writes the targets the benchmark was built to check, each with
+// what this run measured and whether it met it.
+func (r *report) targets(b *strings.Builder) {
+	verdict := func(ok bool) string {
+		if ok {
+			return "met"
+		}
+		return "**missed**"
+	}
+	fmt.Fprintf(b, "\n## Targets\n\n| target | measured | |\n|---|---|---|\n")
+	for _, t := range []struct {
+		name, other string
+		min         float64
+	}{{"throughput >= 0.9x bare", "bare", 0.9}, {"throughput >= 1.5x status-record", "status-record", 1.5}} {
+		var got []string
+		ok := true
+		for _, conc := range r.cfg.levels {
+			ratio := r.cell("dedupactivity", conc).throughput() / r.cell(t.other, conc).throughput()
+			got = append(got, fmt.Sprintf("%.2fx at %d", ratio, conc))
+			ok = ok && ratio >= t.min
+		}
+		fmt.Fprintf(b, "| %s, every concurrency | %s | %s |\n", t.name, strings.Join(got, ", "), verdict(ok))
+	}
+	rt := map[string][2]string{}
+	for _, x := range r.roundTrips {
+		rt[x[0]] = [2]string{x[1], x[2]}
+	}
+	var ours, bare int
+	fmt.Sscan(rt["dedupactivity"][0], &ours)
+	fmt.Sscan(rt["bare"][0], &bare)
+	fmt.Fprintf(b, "| round trips per first delivery <= the bare transaction's | %d vs %d | %s |\n", ours, bare, verdict(ours > 0 && ours <= bare))
+	fmt.Fprintf(b, "| duplicate path cheaper than a first delivery (p50) | %s vs %s ms | %s |\n", ms(r.dupP50), ms(r.firstP50), verdict(r.dupP50 < r.firstP50))
+	large := float64(r.fullP50) / float64(r.emptyP50)
+	fmt.Fprintf(b, "| claim p50 with %d markers <= 1.2x a small table's | %.2fx | %s |\n", r.cfg.markers, large, verdict(large <= 1.2))
+	for _, d := range r.doubles {
+		if d[0] == "dedupactivity" {
+			fmt.Fprintf(b, "| zero double effects, every event delivered twice at once | %s | %s |\n", d[1], verdict(d[1] == "0"))
+		}
+	}
+	if r.temporal.bare > 0 {
+		ratio := r.temporal.wrapped / r.temporal.bare
+		fmt.Fprintf(b, "| Temporal dev server: wrapped >= 0.95x unwrapped | %.2fx (rounds %.2fx to %.2fx) | %s |\n", ratio, r.temporal.ratios[0], r.temporal.ratios[len(r.temporal.ratios)-1], verdict(ratio >= 0.95))
+	}
+	var floor []string
+	for _, conc := range r.cfg.levels {
+		floor = append(floor, fmt.Sprintf("%.2fx at %d", r.cell("floor: key insert only", conc).throughput()/r.cell("bare", conc).throughput(), conc))
+	}
+	fmt.Fprintf(b, "\nBound on the first target: the floor row ran at %s of bare in this run.\n", strings.Join(floor, ", "))
 }
