@@ -165,7 +165,8 @@ type cell struct {
 	errors    int
 	// CPU time spent by the server (-1: unknown) and by this process.
 	serverCPU, clientCPU time.Duration
-	walBytes             int64 // WAL written; -1: unknown
+	walBytes             int64     // WAL written; -1: unknown
+	perRound             []float64 // events/s of each round, in round order
 }
 
 func (c *cell) throughput() float64 { return float64(c.events) / c.elapsed.Seconds() }
@@ -218,6 +219,7 @@ func (b *bench) load(ctx context.Context, a approach, conc int, d time.Duration,
 		seq    atomic.Int64
 		failed atomic.Int64
 	)
+	events := c.events // before this round
 	wal0 := b.walBytes(ctx)
 	server0, client0 := b.cpu.read()
 	start := time.Now()
@@ -243,7 +245,9 @@ func (b *bench) load(ctx context.Context, a approach, conc int, d time.Duration,
 		}()
 	}
 	wg.Wait()
-	c.elapsed += time.Since(start)
+	took := time.Since(start)
+	c.elapsed += took
+	c.perRound = append(c.perRound, float64(c.events-events)/took.Seconds())
 	server1, client1 := b.cpu.read()
 	if wal1 := b.walBytes(ctx); wal0 < 0 || wal1 < 0 || c.walBytes < 0 {
 		c.walBytes = -1

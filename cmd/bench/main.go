@@ -59,8 +59,8 @@ const accounts = 1000
 func run() error {
 	var cfg config
 	var levels string
-	flag.DurationVar(&cfg.duration, "duration", 2*time.Second, "time per approach per concurrency level per round")
-	flag.IntVar(&cfg.rounds, "rounds", 4, "interleaved rounds")
+	flag.DurationVar(&cfg.duration, "duration", 1500*time.Millisecond, "time per approach per concurrency level per round")
+	flag.IntVar(&cfg.rounds, "rounds", 6, "interleaved rounds")
 	flag.StringVar(&levels, "concurrency", "1,8,32", "concurrency levels")
 	flag.IntVar(&cfg.markers, "markers", 10_000_000, "markers in the table for the large-table claim measurement")
 	flag.IntVar(&cfg.doubles, "doubles", 300, "events delivered twice concurrently, per approach")

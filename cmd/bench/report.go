@@ -5,6 +5,7 @@ import (
 	"image/color"
 	"os"
 	"path/filepath"
+	"sort"
 	"strings"
 	"time"
 
@@ -57,6 +58,13 @@ func (r *report) write() error {
 	fmt.Fprintf(&b, "\nRatios dedupactivity / status-record:")
 	for _, conc := range r.cfg.levels {
 		fmt.Fprintf(&b, " %d: %.2fx;", conc, r.cell("dedupactivity", conc).throughput()/r.cell("status-record", conc).throughput())
+	}
+	fmt.Fprintf(&b, "\n\nThe same ratios round by round (median, and range over the %d rounds), to show how much one number moves on this machine:\n\n| ratio | concurrency | median | range |\n|---|---:|---:|---|\n", r.cfg.rounds)
+	for _, other := range []string{"bare", "status-record"} {
+		for _, conc := range r.cfg.levels {
+			med, lo, hi := r.roundRatios("dedupactivity", other, conc)
+			fmt.Fprintf(&b, "| dedupactivity / %s | %d | %.2fx | %.2fx to %.2fx |\n", other, conc, med, lo, hi)
+		}
 	}
 	fmt.Fprintf(&b, "\n\nServer CPU is the PostgreSQL processes' (postmaster and children, from /proc), client CPU this process's (it includes the Go runtime's idle spinning, so it overstates at low concurrency). Both compete for the same cores here: from concurrency 8 the machine is CPU-bound, and throughput follows the total CPU per event.\n")
 	fmt.Fprintf(&b, "\nThe floor row is a bound, not an approach: the effect plus the least a claim-first design with a durable row per event can write (a 32-byte key into a one-index table, in the BEGIN round trip; no result, no identity, no expiry, duplicates fail on the key). No such design can beat its ratio to bare on this machine.\n")
@@ -206,4 +214,19 @@ func (r *report) targets(b *strings.Builder) {
 		floor = append(floor, fmt.Sprintf("%.2fx at %d", r.cell("floor: key insert only", conc).throughput()/r.cell("bare", conc).throughput(), conc))
 	}
 	fmt.Fprintf(b, "\nBound on the first target: the floor row ran at %s of bare in this run.\n", strings.Join(floor, ", "))
+}
+
+// roundRatios compares two approaches round by round at one concurrency
+// level: the median and range of a's throughput over b's.
+func (r *report) roundRatios(a, b string, conc int) (median, lo, hi float64) {
+	x, y := r.cell(a, conc).perRound, r.cell(b, conc).perRound
+	ratios := make([]float64, 0, len(x))
+	for i := range min(len(x), len(y)) {
+		ratios = append(ratios, x[i]/y[i])
+	}
+	if len(ratios) == 0 {
+		return 0, 0, 0
+	}
+	sort.Float64s(ratios)
+	return ratios[len(ratios)/2], ratios[0], ratios[len(ratios)-1]
 }
