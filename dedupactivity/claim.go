@@ -79,7 +79,7 @@ type stored struct {
 // Inserting the marker when the result is known, not before the effect,
 // writes one row version per event instead of two (an insert, then an
 // update of the result): less WAL and no dead versions, and no UPDATE
-// privilege needed to claim. In side-by-side runs its throughput was 0.95x
+// privilege needed to claim. In side-by-side runs its throughput was 0.93x
 // to 1.10x the former order's (docs/bench.md, the "by hand" rows). A first
 // delivery costs the same round trips as the bare effect in a transaction
 // (BEGIN ... COMMIT), and a duplicate costs two.
