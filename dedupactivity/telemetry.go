@@ -4,8 +4,6 @@ import (
 	"context"
 	"encoding/hex"
 	"fmt"
-	"sync"
-	"sync/atomic"
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
@@ -96,9 +94,6 @@ type telemetry struct {
 	attempts metric.Int64Counter
 	claim    metric.Float64Histogram
 	effect   metric.Float64Histogram
-
-	attrs       sync.Map // attrKey -> metric.MeasurementOption
-	cachedAttrs atomic.Int64
 }
 
 func newTelemetry(tp trace.TracerProvider, mp metric.MeterProvider) (*telemetry, error) {
@@ -136,7 +131,6 @@ type record struct {
 }
 
 func (t *telemetry) start(ctx context.Context, info activity.Info, id Identity, hash [32]byte) (context.Context, *record) {
-	// The attributes go in at Start, where a sampler can see them.
 	ctx, span := t.tracer.Start(ctx, "Dedup:"+info.ActivityType.Name,
 		trace.WithSpanKind(trace.SpanKindInternal),
 		trace.WithAttributes(
@@ -156,18 +150,16 @@ func (t *telemetry) start(ctx context.Context, info activity.Info, id Identity, 
 // end closes the span and records the metrics. err is the error the attempt
 // returns; a non-nil err sets the span's status to Error.
 func (t *telemetry) end(ctx context.Context, r *record, err error) {
-	attrs := t.metricAttrs(r.outcome, r.activityType)
+	attrs := metric.WithAttributes(OutcomeKey.String(string(r.outcome)), ActivityTypeKey.String(r.activityType))
 	t.attempts.Add(ctx, 1, attrs)
 	t.claim.Record(ctx, r.claimWait.Seconds(), attrs)
 	if r.ranEffect {
 		t.effect.Record(ctx, r.effectTime.Seconds(), attrs)
 	}
 
-	if r.span.IsRecording() {
-		r.span.SetAttributes(OutcomeKey.String(string(r.outcome)), ClaimWaitKey.Float64(r.claimWait.Seconds()))
-		if r.storedAttempt > 0 {
-			r.span.SetAttributes(StoredAttemptKey.Int64(int64(r.storedAttempt)))
-		}
+	r.span.SetAttributes(OutcomeKey.String(string(r.outcome)), ClaimWaitKey.Float64(r.claimWait.Seconds()))
+	if r.storedAttempt > 0 {
+		r.span.SetAttributes(StoredAttemptKey.Int64(int64(r.storedAttempt)))
 	}
 	if err != nil {
 		r.span.RecordError(err)
@@ -175,28 +167,3 @@ func (t *telemetry) end(ctx context.Context, r *record, err error) {
 	}
 	r.span.End()
 }
-
-// metricAttrs returns the metric attributes of an outcome and activity type,
-// built once per pair: building an attribute set sorts and hashes it, on
-// every attempt otherwise. The cache stops growing at maxCachedAttrs pairs
-// (activity types come from registrations, or from identities in Do).
-func (t *telemetry) metricAttrs(o Outcome, activityType string) metric.MeasurementOption {
-	k := attrKey{o, activityType}
-	if v, ok := t.attrs.Load(k); ok {
-		return v.(metric.MeasurementOption)
-	}
-	opt := metric.WithAttributeSet(attribute.NewSet(OutcomeKey.String(string(o)), ActivityTypeKey.String(activityType)))
-	if t.cachedAttrs.Load() < maxCachedAttrs {
-		if _, loaded := t.attrs.LoadOrStore(k, opt); !loaded {
-			t.cachedAttrs.Add(1)
-		}
-	}
-	return opt
-}
-
-type attrKey struct {
-	outcome      Outcome
-	activityType string
-}
-
-const maxCachedAttrs = 1024
