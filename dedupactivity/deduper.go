@@ -2,9 +2,8 @@ package dedupactivity
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/binary"
 	"fmt"
+	"hash/fnv"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -47,10 +46,17 @@ func New(pool *pgxpool.Pool, opts Options) (*Deduper, error) {
 	d := &Deduper{pool: pool, opts: opts, tel: tel}
 	d.table = d.qualify(opts.Table)
 	d.lockFunc = d.qualify(opts.Table + "_lock")
-	salt := sha256.Sum256([]byte("dedupactivity.event:" + d.table))
-	d.lockSalt = binary.BigEndian.Uint64(salt[:8])
+	d.lockSalt = d.tableKey("event")
 	d.q = newQueries(d.table, opts.PartitionInterval > 0, d.qualify(opts.Table+"_default"))
 	return d, nil
+}
+
+// tableKey is a 64-bit key for purpose on this Deduper's table (advisory
+// lock keys are derived from it).
+func (d *Deduper) tableKey(purpose string) uint64 {
+	h := fnv.New64a()
+	h.Write([]byte("dedupactivity." + purpose + ":" + d.table))
+	return h.Sum64()
 }
 
 // Options returns the Deduper's options with defaults filled in.

@@ -3,7 +3,6 @@ package dedupactivity
 import (
 	"context"
 	"fmt"
-	"hash/fnv"
 	"io/fs"
 	"path"
 	"regexp"
@@ -150,8 +149,4 @@ func (d *Deduper) Migrate(ctx context.Context) error {
 }
 
 // lockKey is the advisory lock key of this Deduper's table.
-func (d *Deduper) lockKey() int64 {
-	h := fnv.New64a()
-	h.Write([]byte("dedupactivity.migrate:" + d.table))
-	return int64(h.Sum64())
-}
+func (d *Deduper) lockKey() int64 { return int64(d.tableKey("migrate")) }
