@@ -2,12 +2,14 @@ package dedupactivity_test
 
 import (
 	"context"
+	"errors"
 	"strings"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
+	"go.temporal.io/sdk/temporal"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 	"github.com/dedupactivity/dedupactivity/internal/pgtest"
@@ -125,6 +127,8 @@ func TestNotMigrated(t *testing.T) {
 	fn := dedupactivity.Wrap(d, func(ctx context.Context, tx pgx.Tx, in Transfer) (int, error) { return 1, nil })
 	_, err = deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
 	require.ErrorIs(t, err, dedupactivity.ErrNotMigrated)
+	var ae *temporal.ApplicationError
+	require.False(t, errors.As(err, &ae) && ae.NonRetryable(), "retryable: Temporal tries again once Migrate has run")
 }
 
 func TestReadOnlyDatabase(t *testing.T) {

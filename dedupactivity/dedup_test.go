@@ -11,10 +11,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 	"go.temporal.io/sdk/activity"
-	"go.temporal.io/sdk/converter"
 	"go.temporal.io/sdk/temporal"
 	"go.temporal.io/sdk/testsuite"
-	"google.golang.org/protobuf/proto"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 )
@@ -430,26 +428,7 @@ func TestMarkerCommittedElsewhereWins(t *testing.T) {
 	theirs := Posting{EntryID: 99, Balance: 99}
 	dedupactivity.SetAfterClaimHook(b.d, func(ctx context.Context, tx pgx.Tx) error {
 		id := dedupactivity.IdentityFromInfo(activity.GetInfo(ctx))
-		h := id.Hash()
-		fp, err := dedupactivity.Fingerprint(in)
-		if err != nil {
-			return err
-		}
-		p, err := converter.GetDefaultDataConverter().ToPayload(theirs)
-		if err != nil {
-			return err
-		}
-		result, err := proto.Marshal(p)
-		if err != nil {
-			return err
-		}
-		return pgx.BeginFunc(ctx, b.pool, func(old pgx.Tx) error {
-			if _, err := old.Exec(ctx, `SELECT dedup_marker_claim($1, $2, 'Post', $3, 1::smallint, 1, 3600, NULL, '1s')`, h[:], id.Encode(), fp); err != nil {
-				return err
-			}
-			_, err := old.Exec(ctx, `UPDATE dedup_marker SET result = $2 WHERE id_hash = $1`, h[:], result)
-			return err
-		})
+		return commitOldProtocolMarker(ctx, b.pool, id, in, theirs)
 	})
 	fn := dedupactivity.Wrap(b.d, b.post)
 	got, err := deliver(t, "Post", fn, in)

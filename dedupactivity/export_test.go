@@ -15,3 +15,6 @@ func SetAfterClaimHook(d *Deduper, hook func(ctx context.Context, tx pgx.Tx) err
 
 // Fingerprint exposes the input fingerprint for tests.
 func Fingerprint(in any) ([]byte, error) { return fingerprint(in) }
+
+// EventLockKey exposes the advisory lock key the claim takes for id.
+func EventLockKey(d *Deduper, id Identity) int64 { return d.eventLockKey(&event{hash: id.Hash()}) }

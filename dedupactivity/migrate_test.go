@@ -8,10 +8,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
-	"go.temporal.io/sdk/converter"
 	"go.temporal.io/sdk/temporal"
 	"go.temporal.io/sdk/workflow"
-	"google.golang.org/protobuf/proto"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 	"github.com/dedupactivity/dedupactivity/internal/pgtest"
@@ -190,20 +188,7 @@ func TestUpgradeFrom002(t *testing.T) {
 	// A marker written by the earlier claim, with its stored result.
 	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "old"}
 	in := Transfer{Account: "a", Amount: 4}
-	h := id.Hash()
-	fp, err := dedupactivity.Fingerprint(in)
-	require.NoError(t, err)
-	p, err := converter.GetDefaultDataConverter().ToPayload(Posting{EntryID: 7, Balance: 4})
-	require.NoError(t, err)
-	result, err := proto.Marshal(p)
-	require.NoError(t, err)
-	require.NoError(t, pgx.BeginFunc(ctx, s.Pool, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, `SELECT dedup_marker_claim($1, $2, 'Post', $3, 1::smallint, 1, 3600, NULL, '1s')`, h[:], id.Encode(), fp); err != nil {
-			return err
-		}
-		_, err := tx.Exec(ctx, `UPDATE dedup_marker SET result = $2 WHERE id_hash = $1`, h[:], result)
-		return err
-	}))
+	require.NoError(t, commitOldProtocolMarker(ctx, s.Pool, id, in, Posting{EntryID: 7, Balance: 4}))
 
 	d, err := dedupactivity.New(s.Pool, dedupactivity.Options{})
 	require.NoError(t, err)

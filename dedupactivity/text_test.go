@@ -9,11 +9,11 @@ import (
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 )
 
-// TestClaimLiteralsCarryAnyText: the claim is sent as literals in a simple
-// query, so text that could end a literal or start an escape must arrive as
-// it is (or, for bytes text cannot hold, as U+FFFD) and claim exactly one
-// event per identity.
-func TestClaimLiteralsCarryAnyText(t *testing.T) {
+// TestAnyTextStoredAsSent: identities and activity types holding quotes,
+// backslashes, dollar quotes, NUL or invalid UTF-8 claim exactly one event
+// each, the identity bytes are stored exactly, and the activity type as it
+// is (bytes text cannot hold become U+FFFD).
+func TestAnyTextStoredAsSent(t *testing.T) {
 	t.Parallel()
 	b := setup(t, dedupactivity.Options{})
 	ctx := context.Background()
