@@ -115,7 +115,7 @@ func run() error {
 		if err != nil {
 			return fmt.Errorf("%s round trips: %w", a.name, err)
 		}
-		rep.roundTrips = append(rep.roundTrips, [3]string{a.name, fmt.Sprint(rt), fmt.Sprint(dupRT)})
+		rep.roundTrips = append(rep.roundTrips, roundTrips{a.name, rt, dupRT})
 	}
 
 	fmt.Printf("throughput: %d rounds x %v x %d approaches x %v ...\n", cfg.rounds, cfg.duration, len(approaches), cfg.levels)
@@ -151,7 +151,7 @@ func run() error {
 		if err != nil {
 			return fmt.Errorf("%s double delivery: %w", a.name, err)
 		}
-		rep.doubles = append(rep.doubles, [3]string{a.name, fmt.Sprint(d), fmt.Sprint(failed)})
+		rep.doubles = append(rep.doubles, doubles{a.name, d, failed})
 	}
 
 	fmt.Println("duplicate path ...")

@@ -19,9 +19,9 @@ import (
 type report struct {
 	cfg            config
 	machine        string
-	roundTrips     [][3]string
+	roundTrips     []roundTrips
 	cells          []*cell
-	doubles        [][3]string
+	doubles        []doubles
 	firstP50       time.Duration
 	dupP50         time.Duration
 	emptyP50       time.Duration
@@ -29,6 +29,18 @@ type report struct {
 	bytesPerMarker float64
 	temporal       temporalResult
 	prune          *pruneResult
+}
+
+// roundTrips is one approach's round trips per first and duplicate delivery.
+type roundTrips struct {
+	approach   string
+	first, dup int64
+}
+
+// doubles is one approach's result with every event delivered twice at once.
+type doubles struct {
+	approach        string
+	applied, failed int // events applied twice, deliveries that failed
 }
 
 func ms(d time.Duration) string { return fmt.Sprintf("%.2f", float64(d.Microseconds())/1000) }
@@ -72,11 +84,11 @@ func (r *report) write() error {
 
 	fmt.Fprintf(&b, "## Round trips per event (client writes on a warm connection)\n\n| approach | first delivery | duplicate delivery |\n|---|---:|---:|\n")
 	for _, rt := range r.roundTrips {
-		fmt.Fprintf(&b, "| %s | %s | %s |\n", rt[0], rt[1], rt[2])
+		fmt.Fprintf(&b, "| %s | %d | %d |\n", rt.approach, rt.first, rt.dup)
 	}
 	fmt.Fprintf(&b, "\n## Every event delivered twice at once (%d events per approach)\n\n| approach | effects applied twice | deliveries failed (retry needed) |\n|---|---:|---:|\n", r.cfg.doubles)
 	for _, d := range r.doubles {
-		fmt.Fprintf(&b, "| %s | %s | %s |\n", d[0], d[1], d[2])
+		fmt.Fprintf(&b, "| %s | %d | %d |\n", d.approach, d.applied, d.failed)
 	}
 	fmt.Fprintf(&b, "\nA failed delivery is the second one finding the first IN_PROGRESS (status-record) or hitting the key's unique constraint (check-then-insert); a worker crash between status-record's effect and its COMPLETE mark applies the effect twice on retry, which no concurrency test shows.\n")
 
@@ -189,20 +201,22 @@ func (r *report) targets(b *strings.Builder) {
 		}
 		fmt.Fprintf(b, "| %s, every concurrency | %s | %s |\n", t.name, strings.Join(got, ", "), verdict(ok))
 	}
-	rt := map[string][2]string{}
+	var ours, bare int64
 	for _, x := range r.roundTrips {
-		rt[x[0]] = [2]string{x[1], x[2]}
+		switch x.approach {
+		case "dedupactivity":
+			ours = x.first
+		case "bare":
+			bare = x.first
+		}
 	}
-	var ours, bare int
-	fmt.Sscan(rt["dedupactivity"][0], &ours)
-	fmt.Sscan(rt["bare"][0], &bare)
 	fmt.Fprintf(b, "| round trips per first delivery <= the bare transaction's | %d vs %d | %s |\n", ours, bare, verdict(ours > 0 && ours <= bare))
 	fmt.Fprintf(b, "| duplicate path cheaper than a first delivery (p50) | %s vs %s ms | %s |\n", ms(r.dupP50), ms(r.firstP50), verdict(r.dupP50 < r.firstP50))
 	large := float64(r.fullP50) / float64(r.emptyP50)
 	fmt.Fprintf(b, "| claim p50 with %d markers <= 1.2x a small table's | %.2fx | %s |\n", r.cfg.markers, large, verdict(large <= 1.2))
 	for _, d := range r.doubles {
-		if d[0] == "dedupactivity" {
-			fmt.Fprintf(b, "| zero double effects, every event delivered twice at once | %s | %s |\n", d[1], verdict(d[1] == "0"))
+		if d.approach == "dedupactivity" {
+			fmt.Fprintf(b, "| zero double effects, every event delivered twice at once | %d | %s |\n", d.applied, verdict(d.applied == 0))
 		}
 	}
 	if r.temporal.bare > 0 {
