@@ -119,7 +119,7 @@ func (b *bench) approaches() []approach {
 		// trip, with no result, identity, expiry or concurrency handling (a
 		// duplicate fails on the key). Its ratio to bare bounds every such
 		// design on this machine.
-		{name: "floor: key insert only", reference: true, deliver: func(ctx context.Context, key string, in posting) (bool, error) {
+		{name: nameFloor, reference: true, deliver: func(ctx context.Context, key string, in posting) (bool, error) {
 			h := sha256.Sum256([]byte(key))
 			begin := fmt.Sprintf(`BEGIN ISOLATION LEVEL READ COMMITTED; INSERT INTO floor_key (id_hash) VALUES (E'\\x%x'::bytea)`, h[:])
 			return false, pgx.BeginTxFunc(ctx, b.pool, pgx.TxOptions{BeginQuery: begin}, func(tx pgx.Tx) error {
@@ -200,6 +200,15 @@ func (c *cell) cpuPerEvent() (server, client string) {
 		server = per(c.serverCPU)
 	}
 	return server, per(c.clientCPU)
+}
+
+// cpuPerEventUS is the server's and this process's CPU time per event, in
+// microseconds; ok is false when the server's is unknown.
+func (c *cell) cpuPerEventUS() (total float64, ok bool) {
+	if c.serverCPU < 0 {
+		return 0, false
+	}
+	return float64((c.serverCPU + c.clientCPU).Microseconds()) / float64(c.events), true
 }
 
 func percentile(ls []time.Duration, p float64) time.Duration {
@@ -395,24 +404,34 @@ FROM generate_series($1::bigint, $2::bigint - 1) g`, lo, hi); err != nil {
 		}
 		fmt.Printf("  %d/%d markers\n", hi, n)
 	}
+	// Start both measurements from a checkpoint, not in the middle of
+	// writing out the fill.
 	if _, err := b.pool.Exec(ctx, `VACUUM ANALYZE dedup_big`); err != nil {
+		return 0, 0, 0, err
+	}
+	if _, err := b.pool.Exec(ctx, `CHECKPOINT`); err != nil {
 		return 0, 0, 0, err
 	}
 	noop := func(context.Context, pgx.Tx, posting) (receipt, error) { return receipt{EntryID: 1, Balance: 2}, nil }
 	var ls, lb []time.Duration
+	// Short blocks, alternating, so that noise on this shared machine hits
+	// both tables alike; the first block of each is a warm-up.
+	const block, rounds = 50, 25
 	measure := func(d *dedupactivity.Deduper, tag string, round int, into *[]time.Duration) error {
-		for i := range 200 {
+		for i := range block {
 			key := fmt.Sprintf("lt-%s-%d-%d", tag, round, i)
 			id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, Namespace: "bench", ActivityType: "Post", Key: key}
 			t0 := time.Now()
 			if _, _, err := dedupactivity.Do(ctx, d, id, newPosting(key), noop); err != nil {
 				return err
 			}
-			*into = append(*into, time.Since(t0))
+			if round > 0 {
+				*into = append(*into, time.Since(t0))
+			}
 		}
 		return nil
 	}
-	for round := range 6 {
+	for round := range rounds {
 		if err := measure(ds, "small", round, &ls); err != nil {
 			return 0, 0, 0, err
 		}

@@ -67,7 +67,7 @@ func run() error {
 	flag.StringVar(&cfg.out, "out", "docs", "directory for bench.md and bench.png")
 	flag.BoolVar(&cfg.temporal, "temporal", true, "also measure wrapped vs unwrapped activity throughput on a Temporal dev server")
 	flag.IntVar(&cfg.activities, "activities", 400, "activities per Temporal measurement")
-	flag.IntVar(&cfg.tRounds, "temporal-rounds", 8, "ABBA rounds of the Temporal measurement")
+	flag.IntVar(&cfg.tRounds, "temporal-rounds", 12, "ABBA rounds of the Temporal measurement")
 	flag.IntVar(&cfg.prune, "prune", 1_000_000, "expired markers to prune while measuring claims (0: skip)")
 	flag.Parse()
 	for _, l := range strings.Split(levels, ",") {

@@ -11,6 +11,14 @@ import (
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 )
 
+// Names of the reference rows the report computes with.
+const (
+	nameFloor      = "floor: key insert only"
+	nameByHand     = "by hand: lock, effect, insert marker + result (this version)"
+	nameLockOnly   = "by hand: lock and look only (no marker)"
+	nameMarkerOnly = "by hand: marker + result insert only (no lock)"
+)
+
 // protocolApproaches are reference rows that issue dedupactivity's SQL by
 // hand, without the library's Go side (fingerprint, result encoding,
 // telemetry), on the same marker table: the claim of this version (lock and
@@ -18,7 +26,9 @@ import (
 // COMMIT round trip) and the claim before migration 003 (marker inserted in
 // the BEGIN round trip, result stored by an UPDATE in the COMMIT round trip).
 // Side by side they show what writing the marker once is worth; against the
-// dedupactivity row, what the library's Go side costs.
+// dedupactivity row, what the library's Go side costs. Two more rows run
+// each half of this version's claim alone with the effect, so the report
+// can say where the cost over bare goes.
 func (b *bench) protocolApproaches() []approach {
 	type marker struct {
 		hash, enc, fingerprint []byte
@@ -52,15 +62,29 @@ func (b *bench) protocolApproaches() []approach {
 		batch.Queue("COMMIT")
 		return conn.SendBatch(ctx, batch).Close()
 	}
-	return []approach{
-		{name: "by hand: lock, effect, insert marker + result (this version)", reference: true, deliver: func(ctx context.Context, key string, in posting) (bool, error) {
-			m := newMarker(key)
-			begin := fmt.Sprintf(`BEGIN ISOLATION LEVEL READ COMMITTED; SELECT dedup_marker_lock(E'\\x%x'::bytea, %d, '30000ms')`, m.hash, m.lockKey)
-			return false, run(ctx, begin, in, func(batch *pgx.Batch, result []byte) {
-				batch.Queue(`WITH i AS (INSERT INTO dedup_marker (id_hash, identity, activity_type, fingerprint, fingerprint_alg, attempt, result, expires_at)
+	lockSQL := func(m marker) string {
+		return fmt.Sprintf(`BEGIN ISOLATION LEVEL READ COMMITTED; SELECT dedup_marker_lock(E'\\x%x'::bytea, %d, '30000ms')`, m.hash, m.lockKey)
+	}
+	insertMarker := func(m marker) func(batch *pgx.Batch, result []byte) {
+		return func(batch *pgx.Batch, result []byte) {
+			batch.Queue(`WITH i AS (INSERT INTO dedup_marker (id_hash, identity, activity_type, fingerprint, fingerprint_alg, attempt, result, expires_at)
 	VALUES ($1, $2, 'Post', $3, 1, 1, $4, now() + interval '30 days') ON CONFLICT DO NOTHING RETURNING 1)
 SELECT 1 / count(*) FROM i`, m.hash, m.enc, m.fingerprint, result)
-			})
+		}
+	}
+	return []approach{
+		{name: nameByHand, reference: true, deliver: func(ctx context.Context, key string, in posting) (bool, error) {
+			m := newMarker(key)
+			return false, run(ctx, lockSQL(m), in, insertMarker(m))
+		}},
+		// The two halves of the row above, each alone with the effect: what
+		// the lock and look costs, and what writing the marker row costs.
+		// Neither is safe by itself.
+		{name: nameLockOnly, reference: true, deliver: func(ctx context.Context, key string, in posting) (bool, error) {
+			return false, run(ctx, lockSQL(newMarker(key)), in, func(*pgx.Batch, []byte) {})
+		}},
+		{name: nameMarkerOnly, reference: true, deliver: func(ctx context.Context, key string, in posting) (bool, error) {
+			return false, run(ctx, "BEGIN ISOLATION LEVEL READ COMMITTED", in, insertMarker(newMarker(key)))
 		}},
 		{name: "by hand: insert marker, effect, update result (before 003)", reference: true, deliver: func(ctx context.Context, key string, in posting) (bool, error) {
 			m := newMarker(key)

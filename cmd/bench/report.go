@@ -80,6 +80,7 @@ func (r *report) write() error {
 	}
 	fmt.Fprintf(&b, "\n\nServer CPU is the PostgreSQL processes' (postmaster and children, from /proc), client CPU this process's (it includes the Go runtime's idle spinning, so it overstates at low concurrency). Both compete for the same cores here: from concurrency 8 the machine is CPU-bound, and throughput follows the total CPU per event.\n")
 	fmt.Fprintf(&b, "\nThe floor row is a bound, not an approach: the effect plus the least a claim-first design with a durable row per event can write (a 32-byte key into a one-index table, in the BEGIN round trip; no result, no identity, no expiry, duplicates fail on the key). No such design can beat its ratio to bare on this machine.\n")
+	r.costBreakdown(&b)
 	fmt.Fprintf(&b, "\n![throughput and p99 by concurrency](bench.png)\n\n")
 
 	fmt.Fprintf(&b, "## Round trips per event (client writes on a warm connection)\n\n| approach | first delivery | duplicate delivery |\n|---|---:|---:|\n")
@@ -94,7 +95,7 @@ func (r *report) write() error {
 
 	fmt.Fprintf(&b, "\n## dedupactivity paths (concurrency 1, p50)\n\n| measurement | ms |\n|---|---:|\n")
 	fmt.Fprintf(&b, "| first delivery | %s |\n| duplicate delivery | %s |\n", ms(r.firstP50), ms(r.dupP50))
-	fmt.Fprintf(&b, "| claim + commit, empty effect, small marker table (under 2,000 markers) | %s |\n| claim + commit, empty effect, %d markers (interleaved with the line above) | %s (%.2fx) |\n", ms(r.emptyP50), r.cfg.markers, ms(r.fullP50), float64(r.fullP50)/float64(r.emptyP50))
+	fmt.Fprintf(&b, "| claim + commit, empty effect, small marker table (under 2,000 markers) | %s |\n| claim + commit, empty effect, %d markers (alternating with the line above in blocks of 50, from a CHECKPOINT after the fill) | %s (%.2fx) |\n", ms(r.emptyP50), r.cfg.markers, ms(r.fullP50), float64(r.fullP50)/float64(r.emptyP50))
 	fmt.Fprintf(&b, "\nOn disk: %.0f bytes per marker (table, TOAST and indexes, run-scoped identity and a ~60-byte stored result).\n", r.bytesPerMarker)
 
 	if p := r.prune; p != nil {
@@ -129,7 +130,7 @@ func (r *report) write() error {
 }
 
 func (r *report) chart(path string) error {
-	names := []string{"bare", "dedupactivity", "status-record", "check-then-insert", "floor: key insert only"}
+	names := []string{"bare", "dedupactivity", "status-record", "check-then-insert", nameFloor}
 	colors := []color.RGBA{{120, 120, 120, 255}, {31, 119, 180, 255}, {214, 39, 40, 255}, {255, 127, 14, 255}, {120, 120, 120, 255}}
 	tp, p99 := plot.New(), plot.New()
 	tp.Title.Text, tp.X.Label.Text, tp.Y.Label.Text = "throughput", "concurrency", "events/s"
@@ -151,7 +152,7 @@ func (r *report) chart(path string) error {
 			}
 			line.Color, points.Color = colors[i], colors[i]
 			line.Width = vg.Points(2)
-			if strings.HasPrefix(name, "floor") { // a bound, not an approach
+			if name == nameFloor { // a bound, not an approach
 				line.Dashes = []vg.Length{vg.Points(6), vg.Points(4)}
 			}
 			pl.p.Add(line, points)
@@ -225,9 +226,44 @@ func (r *report) targets(b *strings.Builder) {
 	}
 	var floor []string
 	for _, conc := range r.cfg.levels {
-		floor = append(floor, fmt.Sprintf("%.2fx at %d", r.cell("floor: key insert only", conc).throughput()/r.cell("bare", conc).throughput(), conc))
+		floor = append(floor, fmt.Sprintf("%.2fx at %d", r.cell(nameFloor, conc).throughput()/r.cell("bare", conc).throughput(), conc))
 	}
 	fmt.Fprintf(b, "\nBound on the first target: the floor row ran at %s of bare in this run.\n", strings.Join(floor, ", "))
+}
+
+// costBreakdown writes where dedupactivity's CPU time over bare goes, from
+// the reference rows that run each part of the claim alone with the effect:
+// per event, server and client CPU together, as a difference to bare (and
+// the row's throughput as a ratio to bare's).
+func (r *report) costBreakdown(b *strings.Builder) {
+	cols := []struct{ head, row, minus string }{
+		{"lock and look alone - bare", nameLockOnly, "bare"},
+		{"marker row with result alone - bare", nameMarkerOnly, "bare"},
+		{"both, SQL by hand - bare", nameByHand, "bare"},
+		{"dedupactivity - SQL by hand (the library's Go side)", "dedupactivity", nameByHand},
+		{"dedupactivity - bare", "dedupactivity", "bare"},
+		{"floor - bare", nameFloor, "bare"},
+	}
+	fmt.Fprintf(b, "\n### Where the cost over bare goes\n\nCPU µs per event (server + client) of one row minus another's; in brackets their throughput ratio. The \"alone\" rows run one half of the claim with the effect (neither is safe by itself). At concurrency 1 the client's share includes the Go runtime's idle spinning.\n\n| concurrency | bare CPU µs/event |")
+	for _, c := range cols {
+		fmt.Fprintf(b, " %s |", c.head)
+	}
+	fmt.Fprintf(b, "\n|---:|---:|%s\n", strings.Repeat("---:|", len(cols)))
+	for _, conc := range r.cfg.levels {
+		bare := r.cell("bare", conc)
+		bareCPU, ok := bare.cpuPerEventUS()
+		if !ok {
+			return // the server's CPU is unknown: nothing to break down
+		}
+		fmt.Fprintf(b, "| %d | %.0f |", conc, bareCPU)
+		for _, c := range cols {
+			row, minus := r.cell(c.row, conc), r.cell(c.minus, conc)
+			x, _ := row.cpuPerEventUS()
+			y, _ := minus.cpuPerEventUS()
+			fmt.Fprintf(b, " %+.0f (%.2fx) |", x-y, row.throughput()/minus.throughput())
+		}
+		fmt.Fprintln(b)
+	}
 }
 
 // roundRatios compares two approaches round by round at one concurrency
