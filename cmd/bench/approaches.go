@@ -18,10 +18,11 @@ import (
 )
 
 type bench struct {
-	pool   *pgxpool.Pool
-	writes *atomic.Int64
-	d      *dedupactivity.Deduper
-	cpu    cpuMeter
+	pool       *pgxpool.Pool
+	writes     *atomic.Int64
+	d          *dedupactivity.Deduper
+	cpu        cpuMeter
+	ledgerRows int // ledger rows the effect inserts per event
 }
 
 // approach delivers one event with a key; dup reports a detected duplicate.
@@ -63,11 +64,14 @@ CREATE TABLE floor_key (id_hash bytea PRIMARY KEY);`)
 	return b.d.Migrate(ctx)
 }
 
-// effect is the same for every approach: a ledger row and a balance update.
-func effect(ctx context.Context, tx pgx.Tx, in posting) (receipt, error) {
+// effect is the same for every approach: ledger rows (one statement each;
+// one unless -effect-rows says otherwise) and a balance update.
+func (b *bench) effect(ctx context.Context, tx pgx.Tx, in posting) (receipt, error) {
 	var r receipt
-	if err := tx.QueryRow(ctx, `INSERT INTO ledger (event_key, account, amount) VALUES ($1, $2, $3) RETURNING id`, in.Key, in.Account, in.Amount).Scan(&r.EntryID); err != nil {
-		return r, err
+	for range b.ledgerRows {
+		if err := tx.QueryRow(ctx, `INSERT INTO ledger (event_key, account, amount) VALUES ($1, $2, $3) RETURNING id`, in.Key, in.Account, in.Amount).Scan(&r.EntryID); err != nil {
+			return r, err
+		}
 	}
 	err := tx.QueryRow(ctx, `UPDATE account SET balance = balance + $2 WHERE id = $1 RETURNING balance`, in.Account, in.Amount).Scan(&r.Balance)
 	return r, err
@@ -77,13 +81,13 @@ func (b *bench) approaches() []approach {
 	return append([]approach{
 		{name: "bare", deliver: func(ctx context.Context, key string, in posting) (bool, error) {
 			return false, pgx.BeginFunc(ctx, b.pool, func(tx pgx.Tx) error {
-				_, err := effect(ctx, tx, in)
+				_, err := b.effect(ctx, tx, in)
 				return err
 			})
 		}},
 		{name: "dedupactivity", deliver: func(ctx context.Context, key string, in posting) (bool, error) {
 			id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, Namespace: "bench", ActivityType: "Post", Key: key}
-			_, outcome, err := dedupactivity.Do(ctx, b.d, id, in, effect)
+			_, outcome, err := dedupactivity.Do(ctx, b.d, id, in, b.effect)
 			return outcome == dedupactivity.OutcomeDuplicate, err
 		}},
 		{name: "status-record", deliver: func(ctx context.Context, key string, in posting) (bool, error) {
@@ -104,7 +108,7 @@ func (b *bench) approaches() []approach {
 			}
 			var r receipt
 			err = pgx.BeginFunc(ctx, b.pool, func(tx pgx.Tx) error {
-				r, err = effect(ctx, tx, in)
+				r, err = b.effect(ctx, tx, in)
 				return err
 			})
 			if err != nil {
@@ -123,7 +127,7 @@ func (b *bench) approaches() []approach {
 			h := sha256.Sum256([]byte(key))
 			begin := fmt.Sprintf(`BEGIN ISOLATION LEVEL READ COMMITTED; INSERT INTO floor_key (id_hash) VALUES (E'\\x%x'::bytea)`, h[:])
 			return false, pgx.BeginTxFunc(ctx, b.pool, pgx.TxOptions{BeginQuery: begin}, func(tx pgx.Tx) error {
-				_, err := effect(ctx, tx, in)
+				_, err := b.effect(ctx, tx, in)
 				return err
 			})
 		}},
@@ -136,7 +140,7 @@ func (b *bench) approaches() []approach {
 				return true, nil
 			}
 			return false, pgx.BeginFunc(ctx, b.pool, func(tx pgx.Tx) error {
-				r, err := effect(ctx, tx, in)
+				r, err := b.effect(ctx, tx, in)
 				if err != nil {
 					return err
 				}

@@ -52,6 +52,7 @@ type config struct {
 	prune      int
 	activities int
 	tRounds    int
+	ledgerRows int
 }
 
 const accounts = 1000
@@ -69,7 +70,11 @@ func run() error {
 	flag.IntVar(&cfg.activities, "activities", 400, "activities per Temporal measurement")
 	flag.IntVar(&cfg.tRounds, "temporal-rounds", 12, "ABBA rounds of the Temporal measurement")
 	flag.IntVar(&cfg.prune, "prune", 1_000_000, "expired markers to prune while measuring claims (0: skip)")
+	flag.IntVar(&cfg.ledgerRows, "effect-rows", 1, "ledger rows the effect inserts per event, one statement each (the issue's effect: 1)")
 	flag.Parse()
+	if cfg.ledgerRows < 1 {
+		return fmt.Errorf("-effect-rows must be at least 1, got %d", cfg.ledgerRows)
+	}
 	for _, l := range strings.Split(levels, ",") {
 		var n int
 		if _, err := fmt.Sscan(l, &n); err != nil || n < 1 {
@@ -95,7 +100,7 @@ func run() error {
 		return err
 	}
 	defer pool.Close()
-	b := &bench{pool: pool, writes: &writes, cpu: newCPUMeter(dataDir)}
+	b := &bench{pool: pool, writes: &writes, cpu: newCPUMeter(dataDir), ledgerRows: cfg.ledgerRows}
 	if err := b.setup(ctx); err != nil {
 		return err
 	}
@@ -173,7 +178,7 @@ func run() error {
 
 	if cfg.temporal {
 		fmt.Println("Temporal dev server: wrapped vs unwrapped activity throughput ...")
-		if rep.temporal, err = temporalThroughput(ctx, url, cfg.activities, cfg.tRounds); err != nil {
+		if rep.temporal, err = temporalThroughput(ctx, url, cfg.activities, cfg.tRounds, b.effect); err != nil {
 			return fmt.Errorf("temporal: %w", err)
 		}
 	}

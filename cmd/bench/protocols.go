@@ -52,7 +52,7 @@ func (b *bench) protocolApproaches() []approach {
 		if err != nil {
 			return err
 		}
-		r, err := effect(ctx, tx, in)
+		r, err := b.effect(ctx, tx, in)
 		if err != nil {
 			_ = tx.Rollback(ctx)
 			return err

@@ -42,7 +42,7 @@ func fanOut(ctx workflow.Context, activityType, prefix string, n int) error {
 
 // temporalThroughput compares, on a real dev server, a wrapped activity with
 // the same effect unwrapped: ABBA-interleaved rounds of total activities.
-func temporalThroughput(ctx context.Context, url string, total, rounds int) (temporalResult, error) {
+func temporalThroughput(ctx context.Context, url string, total, rounds int, effect dedupactivity.EffectFunc[posting, receipt]) (temporalResult, error) {
 	res := temporalResult{activities: total, rounds: rounds}
 	srv, err := temporaltest.Start(ctx, temporaltest.Options{})
 	if err != nil {
