@@ -237,8 +237,8 @@ func (r *report) targets(b *strings.Builder) {
 
 // costBreakdown writes where dedupactivity's CPU time over bare goes, from
 // the reference rows that run each part of the claim alone with the effect:
-// per event, server and client CPU together, as a difference to bare (and
-// the row's throughput as a ratio to bare's).
+// per event, server and client CPU together, as one row's minus another's,
+// with the two rows' throughput ratio.
 func (r *report) costBreakdown(b *strings.Builder) {
 	cols := []struct{ head, row, minus string }{
 		{"lock and look alone - bare", nameLockOnly, "bare"},

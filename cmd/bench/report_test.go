@@ -6,8 +6,9 @@ import (
 	"time"
 )
 
-// testReport is a report with made-up cells: every approach ran 1000 events
-// in one second per level, except where rates or CPU say otherwise.
+// testReport is a report with made-up cells at concurrency 8: approach name
+// delivered rates[name] events in one second, with cpu[name] of server CPU
+// and no client CPU.
 func testReport(rates map[string]float64, cpu map[string]time.Duration) *report {
 	r := &report{cfg: config{levels: []int{8}, markers: 100}}
 	for name, perSec := range rates {
