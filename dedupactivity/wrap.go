@@ -183,6 +183,7 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 	}
 
 	ctx, rec := w.d.tel.start(ctx, info, id, ev.hash)
+	ctx = withEvent(ctx, ev.hash)
 	defer func() {
 		if r := recover(); r != nil {
 			rec.outcome = OutcomeEffectError
