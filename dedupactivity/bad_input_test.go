@@ -3,8 +3,10 @@ package dedupactivity_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -31,6 +33,7 @@ func TestNewValidatesOptions(t *testing.T) {
 		"TableTooLong":    {dedupactivity.Options{Table: strings.Repeat("t", 41)}, "Table"},
 		"SchemaInjection": {dedupactivity.Options{Schema: "public; DROP SCHEMA public"}, "Schema"},
 		"ClaimWait":       {dedupactivity.Options{ClaimWait: -1}, "ClaimWait"},
+		"ClaimWaitHuge":   {dedupactivity.Options{ClaimWait: 720 * time.Hour}, "ClaimWait"},
 		"Retention":       {dedupactivity.Options{Retention: 1}, "Retention"},
 		"Policy":          {dedupactivity.Options{MismatchPolicy: 42}, "MismatchPolicy"},
 		"MaxResultBytes":  {dedupactivity.Options{MaxResultBytes: -1}, "MaxResultBytes"},
@@ -57,18 +60,10 @@ func TestBadCalls(t *testing.T) {
 		require.Equal(t, dedupactivity.ErrTypeInvalidUsage, ae.Type())
 		require.True(t, ae.NonRetryable())
 	})
-	t.Run("NilDeduper", func(t *testing.T) {
-		fn := dedupactivity.Wrap[Transfer, Posting](nil, b.post)
-		_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
-		require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions)
-	})
-	t.Run("NilEffect", func(t *testing.T) {
-		fn := dedupactivity.Wrap[Transfer, Posting](b.d, nil)
-		_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
-		require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions)
-	})
 	t.Run("ValuesTheConverterCannotEncode", func(t *testing.T) {
-		chanIn := dedupactivity.Wrap(b.d, func(ctx context.Context, tx pgx.Tx, in chan int) (int, error) { return 0, nil })
+		// Only business-keyed inputs are encoded (fingerprinted).
+		chanIn := dedupactivity.Wrap(b.d, func(ctx context.Context, tx pgx.Tx, in chan int) (int, error) { return 0, nil },
+			dedupactivity.WithBusinessKey(func(chan int) (string, error) { return "k", nil }))
 		chanOut := dedupactivity.Wrap(b.d, func(ctx context.Context, tx pgx.Tx, in Transfer) (chan int, error) {
 			_, err := b.post(ctx, tx, in)
 			return make(chan int), err
@@ -112,11 +107,58 @@ func TestBadCalls(t *testing.T) {
 	require.Zero(t, b.count(t, `SELECT count(*) FROM ledger WHERE account = 'a'`), "no bad call wrote anything")
 }
 
-func TestRegisterPanicsOnBadArguments(t *testing.T) {
+// TestMisuseFailsAtWrapTime: what can never work is refused when the
+// activity is wrapped or registered (a panic, as the SDK's own registration
+// does), not on every attempt; Do refuses it with an error.
+func TestMisuseFailsAtWrapTime(t *testing.T) {
 	t.Parallel()
 	b := setup(t, dedupactivity.Options{})
 	require.Panics(t, func() { dedupactivity.Register(nil, b.d, "", b.post) })
 	require.Panics(t, func() { dedupactivity.Register[Transfer, Posting](nil, nil, "Post", b.post) })
+	cases := map[string]func(){
+		"NilDeduper": func() { dedupactivity.Wrap[Transfer, Posting](nil, b.post) },
+		"NilEffect":  func() { dedupactivity.Wrap[Transfer, Posting](b.d, nil) },
+		"NilKey": func() {
+			dedupactivity.Wrap(b.d, b.post, dedupactivity.WithBusinessKey[Transfer](nil))
+		},
+		"ShortRetention": func() { dedupactivity.Wrap(b.d, b.post, dedupactivity.WithRetention(time.Second)) },
+	}
+	for name, wrap := range cases {
+		t.Run(name, func(t *testing.T) {
+			require.PanicsWithValue(t, wrapPanic(t, wrap), wrap)
+		})
+	}
+
+	ctx := context.Background()
+	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "k"}
+	_, _, err := dedupactivity.Do(ctx, b.d, id, Transfer{Account: "a", Amount: 1}, b.post,
+		dedupactivity.WithBusinessKey(func(in Transfer) (string, error) { return in.Account, nil }))
+	require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions)
+	require.ErrorContains(t, err, "WithBusinessKey")
+
+	// A hand-built identity that lacks a field of its kind is named as such.
+	for _, id := range []dedupactivity.Identity{
+		{Kind: dedupactivity.KindActivity, Namespace: "ns", WorkflowID: "wf"},
+		{Kind: dedupactivity.KindStandalone, ActivityID: "1"},
+		{Kind: 42},
+	} {
+		_, _, err := dedupactivity.Do(ctx, b.d, id, Transfer{Account: "a", Amount: 1}, b.post)
+		require.ErrorIs(t, err, dedupactivity.ErrInvalidIdentity, "%+v", id)
+		require.NotErrorIs(t, err, dedupactivity.ErrNotActivity)
+	}
+	require.Zero(t, b.ledgerRows(t))
+}
+
+// wrapPanic returns the value wrap panics with, which must name
+// ErrInvalidOptions.
+func wrapPanic(t *testing.T, wrap func()) (v any) {
+	t.Helper()
+	defer func() {
+		v = recover()
+		require.Contains(t, fmt.Sprint(v), dedupactivity.ErrInvalidOptions.Error())
+	}()
+	wrap()
+	return nil
 }
 
 func TestNotMigrated(t *testing.T) {
@@ -145,7 +187,6 @@ func TestReadOnlyDatabase(t *testing.T) {
 	require.NoError(t, err)
 	fn := dedupactivity.Wrap(d, b.post)
 	_, err = deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
-	require.Error(t, err)
-	require.Contains(t, err.Error(), "read-only")
+	require.ErrorIs(t, err, dedupactivity.ErrReadOnly)
 	require.Zero(t, b.markers(t))
 }

@@ -44,6 +44,36 @@ var (
 	// the files in migrations/) first, also after upgrading this package.
 	ErrNotMigrated = errors.New("dedupactivity: marker table or function missing (run Migrate)")
 
+	// ErrTxOwned is returned by the Commit and Rollback methods of the
+	// pgx.Tx an effect is given: the claim commits the effect together with
+	// its marker, or rolls both back when the effect returns an error.
+	ErrTxOwned = errors.New("dedupactivity: the claim transaction is committed or rolled back by dedupactivity, not by the effect")
+
+	// ErrTxEnded is returned when an effect ended the claim transaction
+	// itself with SQL (COMMIT or ROLLBACK); the message says which, and what
+	// was committed. Nothing more is written for that attempt. If it was a
+	// COMMIT, the event is marked without a result, and every later delivery
+	// fails with this error too. At the activity edge it becomes a
+	// non-retryable ApplicationError of type ErrTypeInvalidUsage.
+	ErrTxEnded = errors.New("dedupactivity: the effect ended the claim transaction")
+
+	// ErrReadOnly is returned when the claim's transaction is read-only
+	// (default_transaction_read_only, or a standby server): claiming writes
+	// the marker. It stays retryable at the activity edge, since a
+	// fail-over can make the same address writable again.
+	ErrReadOnly = errors.New("dedupactivity: the database session is read-only; claims write a marker")
+
+	// ErrInvalidIdentity is returned for an Identity that lacks a field its
+	// Kind needs, or has an unknown Kind (a hand-built Identity given to Do
+	// or ClaimTx).
+	ErrInvalidIdentity = errors.New("dedupactivity: invalid event identity")
+
+	// ErrSchemaTooNew is returned by Migrate when the marker table records
+	// a migration version this package does not know: a newer release of
+	// it migrated the table. Upgrade the package rather than run an older
+	// one against the newer table.
+	ErrSchemaTooNew = errors.New("dedupactivity: marker table migrated by a newer version of dedupactivity")
+
 	// ErrInvalidOptions is returned (wrapped, naming the field) by New and
 	// by wrapped activities built with invalid options.
 	ErrInvalidOptions = errors.New("dedupactivity: invalid options")

@@ -6,15 +6,11 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-// SetAfterClaimHook installs a hook that runs after the claim (the event's
-// lock and the look for its marker) and before the effect, inside the claim
-// transaction.
+// SetAfterClaimHook installs a hook that runs after the claim inserted the
+// marker and before the effect, inside the claim transaction.
 func SetAfterClaimHook(d *Deduper, hook func(ctx context.Context, tx pgx.Tx) error) {
 	d.afterClaim = hook
 }
 
 // Fingerprint exposes the input fingerprint for tests.
 func Fingerprint(in any) ([]byte, error) { return fingerprint(in) }
-
-// EventLockKey exposes the advisory lock key the claim takes for id.
-func EventLockKey(d *Deduper, id Identity) int64 { return d.eventLockKey(&event{hash: id.Hash()}) }

@@ -9,9 +9,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	"go.temporal.io/sdk/activity"
-	"go.temporal.io/sdk/converter"
 	"go.temporal.io/sdk/testsuite"
-	"google.golang.org/protobuf/proto"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 	"github.com/dedupactivity/dedupactivity/internal/pgtest"
@@ -107,31 +105,4 @@ func deliver[In, Out any](t *testing.T, name string, fn func(context.Context, In
 	}
 	require.NoError(t, val.Get(&out))
 	return out, nil
-}
-
-// commitOldProtocolMarker commits, through pool, the marker of id the way a
-// worker of a version before migration 003 does: the claim function of
-// migration 002 inserts it, and an UPDATE stores the result, in one
-// transaction.
-func commitOldProtocolMarker(ctx context.Context, pool *pgxpool.Pool, id dedupactivity.Identity, in Transfer, result Posting) error {
-	h := id.Hash()
-	fp, err := dedupactivity.Fingerprint(in)
-	if err != nil {
-		return err
-	}
-	p, err := converter.GetDefaultDataConverter().ToPayload(result)
-	if err != nil {
-		return err
-	}
-	encoded, err := proto.Marshal(p)
-	if err != nil {
-		return err
-	}
-	return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, `SELECT dedup_marker_claim($1, $2, $3, $4, 1::smallint, 1, 3600, NULL, '1s')`, h[:], id.Encode(), id.ActivityType, fp); err != nil {
-			return err
-		}
-		_, err := tx.Exec(ctx, `UPDATE dedup_marker SET result = $2 WHERE id_hash = $1`, h[:], encoded)
-		return err
-	})
 }

@@ -1,10 +1,11 @@
 package dedupactivity
 
 import (
+	"bytes"
 	"crypto/sha256"
 	"encoding/binary"
+	"encoding/json"
 	"fmt"
-	"sort"
 
 	"go.temporal.io/sdk/activity"
 	"go.temporal.io/sdk/converter"
@@ -120,18 +121,18 @@ func (id Identity) validate(enc []byte) error {
 	switch id.Kind {
 	case KindActivity, KindLocalActivity:
 		if id.WorkflowID == "" || id.RunID == "" || id.ActivityID == "" {
-			return fmt.Errorf("%w: %s identity needs a workflow ID, run ID and activity ID", ErrNotActivity, id.Kind)
+			return fmt.Errorf("%w: %s identity needs a workflow ID, run ID and activity ID", ErrInvalidIdentity, id.Kind)
 		}
 	case KindStandalone:
 		if id.ActivityID == "" || id.ActivityRunID == "" {
-			return fmt.Errorf("%w: standalone identity needs an activity ID and activity run ID", ErrNotActivity)
+			return fmt.Errorf("%w: standalone identity needs an activity ID and activity run ID", ErrInvalidIdentity)
 		}
 	case KindBusinessKey:
 		if id.Key == "" {
 			return fmt.Errorf("%w (activity type %q)", ErrEmptyBusinessKey, id.ActivityType)
 		}
 	default:
-		return fmt.Errorf("%w: unknown identity kind %d", ErrInvalidOptions, id.Kind)
+		return fmt.Errorf("%w: unknown identity kind %d", ErrInvalidIdentity, id.Kind)
 	}
 	if len(enc) > MaxIdentityBytes {
 		return fmt.Errorf("%w: %d bytes encoded, limit %d", ErrIdentityTooLarge, len(enc), MaxIdentityBytes)
@@ -145,34 +146,86 @@ func (id Identity) Hash() [32]byte { return sha256Sum(id.Encode()) }
 
 func sha256Sum(b []byte) [32]byte { return sha256.Sum256(b) }
 
-// fingerprintAlgSHA256JSON identifies the input fingerprint algorithm: SHA-256
-// over the default data converter's payload (metadata sorted by key, then
-// data), independent of the Deduper's own DataConverter so an encrypting
-// codec with random nonces cannot cause false mismatches. A future algorithm
-// gets a new number; markers made by another algorithm are not compared.
-const fingerprintAlgSHA256JSON int16 = 1
+// fingerprintVersion is the first byte of every fingerprint: a change of
+// the rule gets a new version.
+const fingerprintVersion = 1
 
-// fingerprint returns the fingerprint of an activity input.
+// fingerprint returns the fingerprint of a business-keyed input: a version
+// byte and the SHA-256 of the input's encoding by the default data converter
+// (not the Deduper's, so an encrypting codec with random nonces cannot cause
+// false mismatches). A JSON encoding is first put in a canonical form that
+// drops object members whose value is null, false, 0, "", [] or {} and sorts
+// the rest, so inputs that differ only by fields left at their zero value,
+// or by member order, fingerprint equal (see WithBusinessKey).
 func fingerprint(in any) ([]byte, error) {
 	p, err := converter.GetDefaultDataConverter().ToPayload(in)
 	if err != nil {
 		return nil, fmt.Errorf("%w: fingerprint input: %w", ErrEncoding, err)
 	}
+	encoding := p.GetMetadata()[converter.MetadataEncoding]
+	data := p.GetData()
+	if e := string(encoding); e == converter.MetadataEncodingJSON || e == converter.MetadataEncodingProtoJSON {
+		if canon, err := canonicalJSON(data); err == nil {
+			data = canon
+		}
+	}
 	h := sha256.New()
-	keys := make([]string, 0, len(p.GetMetadata()))
-	for k := range p.GetMetadata() {
-		keys = append(keys, k)
-	}
-	sort.Strings(keys)
 	var lenBuf [binary.MaxVarintLen64]byte
-	write := func(b []byte) {
-		h.Write(lenBuf[:binary.PutUvarint(lenBuf[:], uint64(len(b)))])
-		h.Write(b)
+	h.Write(lenBuf[:binary.PutUvarint(lenBuf[:], uint64(len(encoding)))])
+	h.Write(encoding)
+	h.Write(data)
+	return h.Sum([]byte{fingerprintVersion}), nil
+}
+
+// canonicalJSON re-encodes a JSON document with object members sorted and
+// members whose value is a zero value dropped (at every depth; array
+// elements are kept, since their position matters). Numbers keep their text.
+func canonicalJSON(data []byte) ([]byte, error) {
+	dec := json.NewDecoder(bytes.NewReader(data))
+	dec.UseNumber()
+	var v any
+	if err := dec.Decode(&v); err != nil {
+		return nil, err
 	}
-	for _, k := range keys {
-		write([]byte(k))
-		write(p.GetMetadata()[k])
+	return json.Marshal(dropZero(v))
+}
+
+func dropZero(v any) any {
+	switch v := v.(type) {
+	case map[string]any:
+		for k, m := range v {
+			m = dropZero(m)
+			if isZeroJSON(m) {
+				delete(v, k)
+			} else {
+				v[k] = m
+			}
+		}
+		return v
+	case []any:
+		for i, e := range v {
+			v[i] = dropZero(e)
+		}
+		return v
 	}
-	write(p.GetData())
-	return h.Sum(nil), nil
+	return v
+}
+
+func isZeroJSON(v any) bool {
+	switch v := v.(type) {
+	case nil:
+		return true
+	case bool:
+		return !v
+	case string:
+		return v == ""
+	case json.Number:
+		f, err := v.Float64()
+		return err == nil && f == 0
+	case map[string]any:
+		return len(v) == 0
+	case []any:
+		return len(v) == 0
+	}
+	return false
 }

@@ -15,33 +15,27 @@ import (
 	"github.com/dedupactivity/dedupactivity/migrations"
 )
 
-// Migration is one versioned SQL migration from the migrations directory.
-type Migration struct {
-	Version int
-	Name    string
-	Up      string
-	Down    string
+// migration is one versioned SQL migration of a layout.
+type migration struct {
+	version int
+	name    string
+	up      string
 }
 
-var migrationFileRE = regexp.MustCompile(`^(\d{3})_([a-z0-9_]+)\.(up|down)\.sql$`)
+var migrationFileRE = regexp.MustCompile(`^(\d{3})_([a-z0-9_]+)\.up\.sql$`)
 
-// Migrations returns the embedded migrations of the default layout in
-// version order, with the table name still the file's own
-// (migrations.TableToken).
-func Migrations() ([]Migration, error) { return readMigrations(migrations.FS, ".") }
-
-// PartitionedMigrations returns the migrations of the partitioned layout
-// (Options.PartitionInterval > 0).
-func PartitionedMigrations() ([]Migration, error) {
-	return readMigrations(migrations.PartitionedFS, "partitioned")
-}
-
-func readMigrations(fsys fs.FS, dir string) ([]Migration, error) {
+// readMigrations returns the up migrations of a layout in version order,
+// with the table name still the files' own (migrations.TableToken).
+func readMigrations(partitioned bool) ([]migration, error) {
+	fsys, dir := fs.FS(migrations.FS), "."
+	if partitioned {
+		fsys, dir = migrations.PartitionedFS, "partitioned"
+	}
 	entries, err := fs.ReadDir(fsys, dir)
 	if err != nil {
 		return nil, fmt.Errorf("dedupactivity: read migrations: %w", err)
 	}
-	byVersion := map[int]*Migration{}
+	var out []migration
 	for _, e := range entries {
 		m := migrationFileRE.FindStringSubmatch(e.Name())
 		if m == nil {
@@ -52,93 +46,60 @@ func readMigrations(fsys fs.FS, dir string) ([]Migration, error) {
 		if err != nil {
 			return nil, fmt.Errorf("dedupactivity: read migration %s: %w", e.Name(), err)
 		}
-		mig := byVersion[v]
-		if mig == nil {
-			mig = &Migration{Version: v, Name: m[2]}
-			byVersion[v] = mig
-		}
-		if m[3] == "up" {
-			mig.Up = string(body)
-		} else {
-			mig.Down = string(body)
-		}
+		out = append(out, migration{version: v, name: m[2], up: string(body)})
 	}
-	out := make([]Migration, 0, len(byVersion))
-	for _, m := range byVersion {
-		if m.Up == "" || m.Down == "" {
-			return nil, fmt.Errorf("dedupactivity: migration %03d_%s lacks its up or down file", m.Version, m.Name)
-		}
-		out = append(out, *m)
-	}
-	sort.Slice(out, func(i, j int) bool { return out[i].Version < out[j].Version })
+	sort.Slice(out, func(i, j int) bool { return out[i].version < out[j].version })
 	return out, nil
 }
 
-// Migrate creates or upgrades the marker table (and its schema, when
-// Options.Schema is set). It is idempotent and safe to run from many workers
-// at once: all of it runs in one transaction holding an advisory lock keyed
-// by the table's name, and applied versions are recorded in a table named
-// <Table>_migration beside the marker table.
+// markerColumns are the columns the claim uses; a table that has them all is
+// taken as migrated, whoever created it.
+var markerColumns = []string{"id_hash", "attempt", "claimed_at", "expires_at", "activity_type", "identity", "fingerprint", "result"}
+
+// migrateLockKey is the advisory lock every Migrate in a database takes, so
+// that concurrent calls creating tables in one new schema do not race on the
+// catalog.
+const migrateLockKey int64 = 0x6465_6475_705f_6d69 // "dedup_mi"
+
+// Migrate creates the marker table (and its schema, when Options.Schema is
+// set) if it is not there yet. It is safe to run from many workers at once
+// and after a migration tool applied the files of the migrations package:
+//
+//   - When the table has every column this version uses, Migrate only
+//     reads the catalog (one round trip, no lock, no CREATE privilege
+//     needed), so a least-privilege worker can call it at every start.
+//   - Otherwise it applies the migrations in one transaction under an
+//     advisory lock and records them in a table named <Table>_migration.
+//     The files are idempotent, so a table dropped by hand or by the down
+//     files is simply made again.
+//   - A version recorded by a newer release of this package fails with
+//     ErrSchemaTooNew.
 func (d *Deduper) Migrate(ctx context.Context) error {
-	migs, err := Migrations()
-	if d.opts.PartitionInterval > 0 {
-		migs, err = PartitionedMigrations()
-	}
+	migs, err := readMigrations(d.opts.PartitionInterval > 0)
 	if err != nil {
 		return err
 	}
-	tx, err := d.pool.Begin(ctx)
-	if err != nil {
-		return fmt.Errorf("dedupactivity: migrate: begin: %w", err)
-	}
-	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // no-op after commit
+	latest := migs[len(migs)-1].version
+	versionTable := d.qualify(d.opts.Table + "_migration")
 
-	if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1)`, d.lockKey()); err != nil {
-		return fmt.Errorf("dedupactivity: migrate: advisory lock: %w", err)
+	var columns int
+	var hasVersions bool
+	if err := d.pool.QueryRow(ctx, catalogSQL, d.table, markerColumns, versionTable).Scan(&columns, &hasVersions); err != nil {
+		return fmt.Errorf("dedupactivity: migrate: read catalog: %w", err)
 	}
-	if d.opts.Schema != "" {
-		schema := pgx.Identifier{d.opts.Schema}.Sanitize()
-		if _, err := tx.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS `+schema); err != nil {
-			return fmt.Errorf("dedupactivity: migrate: create schema: %w", err)
-		}
-		// The files name tables unqualified.
-		if _, err := tx.Exec(ctx, `SELECT set_config('search_path', $1, true)`, schema); err != nil {
-			return fmt.Errorf("dedupactivity: migrate: search_path: %w", err)
+	var recorded *int
+	if hasVersions { // and readable: a role without SELECT on it skips this check
+		if err := d.pool.QueryRow(ctx, maxVersionSQL(versionTable)).Scan(&recorded); err != nil {
+			return fmt.Errorf("dedupactivity: migrate: read versions: %w", err)
 		}
 	}
-	versionTable := pgx.Identifier{d.opts.Table + "_migration"}.Sanitize()
-	if _, err := tx.Exec(ctx, `CREATE TABLE IF NOT EXISTS `+versionTable+` (
-	version    integer     PRIMARY KEY,
-	name       text        NOT NULL,
-	applied_at timestamptz NOT NULL DEFAULT now())`); err != nil {
-		return fmt.Errorf("dedupactivity: migrate: version table: %w", err)
+	if recorded != nil && *recorded > latest {
+		return fmt.Errorf("%w: %s records version %d, this package knows up to %d", ErrSchemaTooNew, versionTable, *recorded, latest)
 	}
-	applied := map[int]bool{}
-	rows, err := tx.Query(ctx, `SELECT version FROM `+versionTable)
-	if err != nil {
-		return fmt.Errorf("dedupactivity: migrate: read versions: %w", err)
-	}
-	versions, err := pgx.CollectRows(rows, pgx.RowTo[int])
-	if err != nil {
-		return fmt.Errorf("dedupactivity: migrate: read versions: %w", err)
-	}
-	for _, v := range versions {
-		applied[v] = true
-	}
-	for _, m := range migs {
-		if applied[m.Version] {
-			continue
+	if columns < len(markerColumns) {
+		if err := d.applyMigrations(ctx, migs, versionTable); err != nil {
+			return err
 		}
-		sql := strings.ReplaceAll(m.Up, migrations.TableToken, d.opts.Table)
-		if _, err := tx.Exec(ctx, sql); err != nil {
-			return fmt.Errorf("dedupactivity: migrate: apply %03d_%s: %w", m.Version, m.Name, err)
-		}
-		if _, err := tx.Exec(ctx, `INSERT INTO `+versionTable+` (version, name) VALUES ($1, $2)`, m.Version, m.Name); err != nil {
-			return fmt.Errorf("dedupactivity: migrate: record %03d_%s: %w", m.Version, m.Name, err)
-		}
-	}
-	if err := tx.Commit(ctx); err != nil {
-		return fmt.Errorf("dedupactivity: migrate: commit: %w", err)
 	}
 	if d.opts.PartitionInterval > 0 {
 		if _, err := d.EnsurePartitions(ctx); err != nil {
@@ -148,5 +109,34 @@ func (d *Deduper) Migrate(ctx context.Context) error {
 	return nil
 }
 
-// lockKey is the advisory lock key of this Deduper's table.
-func (d *Deduper) lockKey() int64 { return int64(d.tableKey("migrate")) }
+// applyMigrations runs the migrations in one transaction under migrateLockKey.
+func (d *Deduper) applyMigrations(ctx context.Context, migs []migration, versionTable string) error {
+	return pgx.BeginFunc(ctx, d.pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, advisoryXactLockSQL, migrateLockKey); err != nil {
+			return fmt.Errorf("dedupactivity: migrate: advisory lock: %w", err)
+		}
+		if d.opts.Schema != "" {
+			schema := pgx.Identifier{d.opts.Schema}.Sanitize()
+			if _, err := tx.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS `+schema); err != nil {
+				return fmt.Errorf("dedupactivity: migrate: create schema: %w", err)
+			}
+			// The files name tables unqualified.
+			if _, err := tx.Exec(ctx, setLocalSearchPathSQL, schema); err != nil {
+				return fmt.Errorf("dedupactivity: migrate: search_path: %w", err)
+			}
+		}
+		if _, err := tx.Exec(ctx, createVersionTableSQL(versionTable)); err != nil {
+			return fmt.Errorf("dedupactivity: migrate: version table: %w", err)
+		}
+		for _, m := range migs {
+			sql := strings.ReplaceAll(m.up, migrations.TableToken, d.opts.Table)
+			if _, err := tx.Exec(ctx, sql); err != nil {
+				return fmt.Errorf("dedupactivity: migrate: apply %03d_%s: %w", m.version, m.name, err)
+			}
+			if _, err := tx.Exec(ctx, recordVersionSQL(versionTable), m.version, m.name); err != nil {
+				return fmt.Errorf("dedupactivity: migrate: record %03d_%s: %w", m.version, m.name, err)
+			}
+		}
+		return nil
+	})
+}

@@ -2,30 +2,42 @@ package dedupactivity_test
 
 import (
 	"context"
+	"fmt"
+	"io/fs"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
+	"go.temporal.io/sdk/activity"
 	"go.temporal.io/sdk/temporal"
+	"go.temporal.io/sdk/testsuite"
 	"go.temporal.io/sdk/workflow"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 	"github.com/dedupactivity/dedupactivity/internal/pgtest"
+	"github.com/dedupactivity/dedupactivity/migrations"
 )
 
+// TestMigrateIsIdempotentAndConcurrent: 8 concurrent Migrate calls on one
+// table, and 8 on different tables of one new schema, all succeed.
 func TestMigrateIsIdempotentAndConcurrent(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t)
 	ctx := context.Background()
-	d, err := dedupactivity.New(s.Pool, dedupactivity.Options{Schema: s.Name + "_own", Table: "markers"})
-	require.NoError(t, err)
-	t.Cleanup(func() { _, _ = s.Pool.Exec(context.Background(), `DROP SCHEMA IF EXISTS `+s.Name+`_own CASCADE`) })
+	own := s.Name + "_own"
+	t.Cleanup(func() { _, _ = s.Pool.Exec(context.Background(), `DROP SCHEMA IF EXISTS `+own+` CASCADE`) })
 
+	var dedupers []*dedupactivity.Deduper
+	for i := range 8 {
+		d, err := dedupactivity.New(s.Pool, dedupactivity.Options{Schema: own, Table: fmt.Sprintf("markers_%d", i)})
+		require.NoError(t, err)
+		dedupers = append(dedupers, d, d) // each table twice: 16 calls
+	}
 	var wg sync.WaitGroup
-	errs := make(chan error, 8)
-	for range 8 {
+	errs := make(chan error, len(dedupers))
+	for _, d := range dedupers {
 		wg.Add(1)
 		go func() { defer wg.Done(); errs <- d.Migrate(ctx) }()
 	}
@@ -34,49 +46,105 @@ func TestMigrateIsIdempotentAndConcurrent(t *testing.T) {
 	for err := range errs {
 		require.NoError(t, err)
 	}
-	require.NoError(t, d.Migrate(ctx))
+	require.NoError(t, dedupers[0].Migrate(ctx))
 
-	var versions int
-	require.NoError(t, s.Pool.QueryRow(ctx, `SELECT count(*) FROM `+s.Name+`_own.markers_migration`).Scan(&versions))
-	migs, err := dedupactivity.Migrations()
-	require.NoError(t, err)
-	require.Equal(t, len(migs), versions)
-
-	// The configured table and its index exist in the configured schema.
+	var tables, versions int
+	require.NoError(t, s.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_tables WHERE schemaname = $1 AND tablename ~ '^markers_[0-9]$'`, own).Scan(&tables))
+	require.Equal(t, 8, tables)
+	require.NoError(t, s.Pool.QueryRow(ctx, `SELECT count(*) FROM `+own+`.markers_0_migration`).Scan(&versions))
+	require.Equal(t, 1, versions)
 	var idx int
-	require.NoError(t, s.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_indexes WHERE schemaname = $1 AND tablename = 'markers'`, s.Name+"_own").Scan(&idx))
-	require.GreaterOrEqual(t, idx, 2)
+	require.NoError(t, s.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_indexes WHERE schemaname = $1 AND tablename = 'markers_0'`, own).Scan(&idx))
+	require.Equal(t, 2, idx, "primary key and expiry index")
 }
 
-func TestMigrationFilesWorkAsTheyAre(t *testing.T) {
-	t.Parallel()
-	layouts := map[string]func() ([]dedupactivity.Migration, error){
-		"default":     dedupactivity.Migrations,
-		"partitioned": dedupactivity.PartitionedMigrations,
+// upFiles returns the up SQL files of a layout, as a migration tool reads
+// them.
+func upFiles(t *testing.T, partitioned bool) []string {
+	t.Helper()
+	fsys, glob := fs.FS(migrations.FS), "*.up.sql"
+	if partitioned {
+		fsys, glob = migrations.PartitionedFS, "partitioned/*.up.sql"
 	}
-	for name, load := range layouts {
-		t.Run(name, func(t *testing.T) {
+	names, err := fs.Glob(fsys, glob)
+	require.NoError(t, err)
+	require.NotEmpty(t, names)
+	var out []string
+	for _, n := range names {
+		b, err := fs.ReadFile(fsys, n)
+		require.NoError(t, err)
+		out = append(out, string(b))
+	}
+	return out
+}
+
+// TestMigrationFilesMeetMigrate: the files applied as they are (twice: they
+// are idempotent), then Migrate, which finds nothing to do; the down files,
+// then Migrate, which makes the table again; claims work after each.
+func TestMigrationFilesMeetMigrate(t *testing.T) {
+	t.Parallel()
+	for _, partitioned := range []bool{false, true} {
+		t.Run(fmt.Sprintf("partitioned=%v", partitioned), func(t *testing.T) {
 			t.Parallel()
 			s := pgtest.NewSchema(t)
 			ctx := context.Background()
-			migs, err := load()
+			for range 2 {
+				for _, sql := range upFiles(t, partitioned) {
+					_, err := s.Pool.Exec(ctx, sql)
+					require.NoError(t, err)
+				}
+			}
+			opts := dedupactivity.Options{}
+			if partitioned {
+				opts.PartitionInterval = time.Hour
+			}
+			d, err := dedupactivity.New(s.Pool, opts)
 			require.NoError(t, err)
-			require.NotEmpty(t, migs)
-			for _, m := range migs {
-				require.Contains(t, m.Up, "dedup_marker")
-				_, err := s.Pool.Exec(ctx, m.Up)
-				require.NoError(t, err, "up %d", m.Version)
+			require.NoError(t, d.Migrate(ctx), "after a tool applied the files")
+			var versionTable bool
+			require.NoError(t, s.Pool.QueryRow(ctx, `SELECT to_regclass('dedup_marker_migration') IS NOT NULL`).Scan(&versionTable))
+			require.False(t, versionTable, "nothing to do: Migrate wrote nothing")
+
+			claim := func(key string) {
+				fn := dedupactivity.Wrap(d, func(ctx context.Context, tx pgx.Tx, in int) (int, error) { return in, nil })
+				var suite testsuite.WorkflowTestSuite
+				env := suite.NewTestActivityEnvironment()
+				env.SetTestTimeout(time.Minute)
+				env.RegisterActivityWithOptions(fn, activity.RegisterOptions{Name: key})
+				_, err := env.ExecuteActivity(key, 1)
+				require.NoError(t, err)
+				var n int
+				require.NoError(t, s.Pool.QueryRow(ctx, `SELECT count(*) FROM dedup_marker WHERE activity_type = $1`, key).Scan(&n))
+				require.Equal(t, 1, n)
 			}
-			for i := len(migs) - 1; i >= 0; i-- {
-				_, err := s.Pool.Exec(ctx, migs[i].Down)
-				require.NoError(t, err, "down %d", migs[i].Version)
+			claim("AfterTool")
+
+			down, err := fs.ReadFile(migrations.FS, "001_create_dedup_marker.down.sql")
+			if partitioned {
+				down, err = fs.ReadFile(migrations.PartitionedFS, "partitioned/001_create_dedup_marker.down.sql")
 			}
-			var n int
-			require.NoError(t, s.Pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM pg_tables WHERE schemaname = $1)
-	+ (SELECT count(*) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = $1)`, s.Name).Scan(&n))
-			require.Zero(t, n, "down migrations remove every table and function")
+			require.NoError(t, err)
+			_, err = s.Pool.Exec(ctx, string(down))
+			require.NoError(t, err)
+			_, err = d.Prune(ctx)
+			require.ErrorIs(t, err, dedupactivity.ErrNotMigrated)
+			require.NoError(t, d.Migrate(ctx), "after the down files")
+			claim("AfterDown")
 		})
 	}
+}
+
+// TestMigrateRefusesNewerVersion: a version recorded by a newer release of
+// the package is refused, naming the versions.
+func TestMigrateRefusesNewerVersion(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	ctx := context.Background()
+	_, err := b.pool.Exec(ctx, `INSERT INTO dedup_marker_migration (version, name) VALUES (999, 'from_the_future')`)
+	require.NoError(t, err)
+	err = b.d.Migrate(ctx)
+	require.ErrorIs(t, err, dedupactivity.ErrSchemaTooNew)
+	require.ErrorContains(t, err, "version 999")
 }
 
 func TestPrune(t *testing.T) {
@@ -113,8 +181,8 @@ func TestPruneBatchesAndRetentionBound(t *testing.T) {
 	ctx := context.Background()
 	// 2,500 expired markers and 10 live ones.
 	_, err := b.pool.Exec(ctx, `
-INSERT INTO dedup_marker (id_hash, identity, activity_type, fingerprint, fingerprint_alg, attempt, expires_at)
-SELECT sha256(int4send(g)), int4send(g), 'T', '\x00', 1, 1,
+INSERT INTO dedup_marker (id_hash, identity, activity_type, attempt, expires_at)
+SELECT sha256(int4send(g)), int4send(g), 'T', 1,
        CASE WHEN g <= 2500 THEN now() - interval '1 hour' ELSE now() + interval '1 hour' END
 FROM generate_series(1, 2510) g`)
 	require.NoError(t, err)
@@ -161,58 +229,4 @@ func TestRedeliveryWarning(t *testing.T) {
 			require.Equal(t, c.warn, w != "", w)
 		})
 	}
-}
-
-// TestUpgradeFrom002: a table made by an earlier version (migrations 001 and
-// 002, markers written by the claim of that version: insert, then update the
-// result) is upgraded by Migrate, which applies only what is new, and its
-// markers are duplicates for this version's claim.
-func TestUpgradeFrom002(t *testing.T) {
-	t.Parallel()
-	s := pgtest.NewSchema(t)
-	ctx := context.Background()
-	migs, err := dedupactivity.Migrations()
-	require.NoError(t, err)
-	_, err = s.Pool.Exec(ctx, `CREATE TABLE dedup_marker_migration (
-	version    integer     PRIMARY KEY,
-	name       text        NOT NULL,
-	applied_at timestamptz NOT NULL DEFAULT now())`)
-	require.NoError(t, err)
-	for _, m := range migs[:2] {
-		_, err := s.Pool.Exec(ctx, m.Up)
-		require.NoError(t, err)
-		_, err = s.Pool.Exec(ctx, `INSERT INTO dedup_marker_migration (version, name) VALUES ($1, $2)`, m.Version, m.Name)
-		require.NoError(t, err)
-	}
-
-	// A marker written by the earlier claim, with its stored result.
-	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "old"}
-	in := Transfer{Account: "a", Amount: 4}
-	require.NoError(t, commitOldProtocolMarker(ctx, s.Pool, id, in, Posting{EntryID: 7, Balance: 4}))
-
-	d, err := dedupactivity.New(s.Pool, dedupactivity.Options{})
-	require.NoError(t, err)
-	var ran int
-	post := func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
-		ran++
-		return Posting{EntryID: 100, Balance: in.Amount}, nil
-	}
-	_, _, err = dedupactivity.Do(ctx, d, id, in, post)
-	require.ErrorIs(t, err, dedupactivity.ErrNotMigrated, "this version's claim needs migration 003")
-
-	require.NoError(t, d.Migrate(ctx))
-	rows, err := s.Pool.Query(ctx, `SELECT version FROM dedup_marker_migration ORDER BY version`)
-	require.NoError(t, err)
-	versions, err := pgx.CollectRows(rows, pgx.RowTo[int])
-	require.NoError(t, err)
-	require.Equal(t, []int{1, 2, 3}, versions)
-
-	got, outcome, err := dedupactivity.Do(ctx, d, id, in, post)
-	require.NoError(t, err)
-	require.Equal(t, dedupactivity.OutcomeDuplicate, outcome)
-	require.Equal(t, Posting{EntryID: 7, Balance: 4}, got, "the result the earlier version stored")
-	_, outcome, err = dedupactivity.Do(ctx, d, dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "new"}, in, post)
-	require.NoError(t, err)
-	require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
-	require.Equal(t, 1, ran)
 }

@@ -90,7 +90,7 @@ type Options struct {
 	// ClaimWait bounds how long an attempt waits for another attempt whose
 	// transaction holds the same event. After it, the attempt fails with a
 	// retryable ErrClaimTimeout error and Temporal retries it later. The wait
-	// is also cut short by the activity's own deadline.
+	// is also cut short by the activity's own deadline. At most 24h.
 	//
 	// Defaults to DefaultClaimWait (10s).
 	ClaimWait time.Duration
@@ -149,6 +149,11 @@ type Options struct {
 
 var identRE = regexp.MustCompile(`^[a-z_][a-z0-9_]*$`)
 
+// maxClaimWait bounds Options.ClaimWait well below the largest lock_timeout
+// PostgreSQL accepts (about 24.8 days); a wait longer than an activity's
+// StartToClose timeout serves no purpose anyway.
+const maxClaimWait = 24 * time.Hour
+
 // withDefaults returns a copy of o with zero fields set to their defaults.
 func (o Options) withDefaults() Options {
 	if o.Table == "" {
@@ -189,8 +194,8 @@ func (o Options) validate() error {
 	if o.MismatchPolicy != MismatchReject && o.MismatchPolicy != MismatchReturnStored {
 		return fmt.Errorf("%w: MismatchPolicy %d is not a known policy", ErrInvalidOptions, int(o.MismatchPolicy))
 	}
-	if o.ClaimWait < time.Millisecond {
-		return fmt.Errorf("%w: ClaimWait must be at least 1ms, got %s", ErrInvalidOptions, o.ClaimWait)
+	if o.ClaimWait < time.Millisecond || o.ClaimWait > maxClaimWait {
+		return fmt.Errorf("%w: ClaimWait must be between 1ms and %s, got %s", ErrInvalidOptions, maxClaimWait, o.ClaimWait)
 	}
 	if o.Retention < time.Minute {
 		return fmt.Errorf("%w: Retention must be at least 1m, got %s", ErrInvalidOptions, o.Retention)

@@ -43,8 +43,7 @@ func (d *Deduper) EnsurePartitions(ctx context.Context) (int, error) {
 		if have[name] {
 			continue
 		}
-		sql := fmt.Sprintf(`CREATE TABLE %s PARTITION OF %s FOR VALUES FROM (%s) TO (%s)`,
-			d.qualify(name), d.table, timeLiteral(lo), timeLiteral(lo.Add(iv)))
+		sql := d.store.createPartition(d.qualify(name), lo, lo.Add(iv))
 		err := d.maintain(ctx, func(tx pgx.Tx) error {
 			_, err := tx.Exec(ctx, sql)
 			return err
@@ -52,9 +51,9 @@ func (d *Deduper) EnsurePartitions(ctx context.Context) (int, error) {
 		switch state := sqlState(err); {
 		case err == nil:
 			created++
-		case state == "42P07": // duplicate_table: another worker made it
-		case state == "23514": // rows in the default partition: leave the range there
-		case state == "55P03": // lock_timeout: next run
+		case state == stateDuplicateTable: // another worker made it
+		case state == stateCheckViolation: // rows in the default partition: leave the range there
+		case state == stateLockNotAvailable: // next run
 		default:
 			return created, fmt.Errorf("dedupactivity: create partition %s: %w", name, err)
 		}
@@ -69,19 +68,16 @@ type partition struct {
 
 // partitions lists the range partitions (not the default one).
 func (d *Deduper) partitions(ctx context.Context) ([]partition, error) {
-	rows, err := d.pool.Query(ctx, `
-SELECT c.relname, pg_get_expr(c.relpartbound, c.oid)
-FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
-WHERE i.inhparent = $1::regclass`, d.table)
+	rows, err := d.pool.Query(ctx, listPartitionsSQL, d.table)
 	if err != nil {
-		return nil, fmt.Errorf("dedupactivity: list partitions: %w", translate(err))
+		return nil, fmt.Errorf("dedupactivity: list partitions: %w", interpretError(err, false))
 	}
 	defer rows.Close()
 	var out []partition
 	prefix := d.opts.Table + "_p"
 	for rows.Next() {
-		var name, bound string
-		if err := rows.Scan(&name, &bound); err != nil {
+		var name string
+		if err := rows.Scan(&name); err != nil {
 			return nil, err
 		}
 		if !strings.HasPrefix(name, prefix) {
@@ -93,7 +89,10 @@ WHERE i.inhparent = $1::regclass`, d.table)
 		}
 		out = append(out, partition{name: name, hi: time.Unix(lo, 0).Add(d.opts.PartitionInterval)})
 	}
-	return out, rows.Err()
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("dedupactivity: list partitions: %w", interpretError(err, false))
+	}
+	return out, nil
 }
 
 // dropExpiredPartitions drops range partitions whose scheduled-time range is
@@ -113,23 +112,24 @@ func (d *Deduper) dropExpiredPartitions(ctx context.Context) (int64, error) {
 		var rows int64
 		errKeep := errors.New("keep")
 		err := d.maintain(ctx, func(tx pgx.Tx) error {
-			if _, err := tx.Exec(ctx, fmt.Sprintf(`ALTER TABLE %s DETACH PARTITION %s`, d.table, d.qualify(p.name))); err != nil {
+			name := d.qualify(p.name)
+			if _, err := tx.Exec(ctx, d.store.detachPartition(name)); err != nil {
 				return err
 			}
 			var live bool
-			if err := tx.QueryRow(ctx, fmt.Sprintf(`SELECT count(*), coalesce(max(expires_at) >= now(), false) FROM %s`, d.qualify(p.name))).Scan(&rows, &live); err != nil {
+			if err := tx.QueryRow(ctx, countLiveSQL(name)).Scan(&rows, &live); err != nil {
 				return err
 			}
 			if live {
 				return errKeep // roll back: the partition stays attached
 			}
-			_, err := tx.Exec(ctx, `DROP TABLE `+d.qualify(p.name))
+			_, err := tx.Exec(ctx, dropTableSQL(name))
 			return err
 		})
 		switch {
 		case err == nil:
 			deleted += rows
-		case errors.Is(err, errKeep), sqlState(err) == "55P03":
+		case errors.Is(err, errKeep), sqlState(err) == stateLockNotAvailable:
 		default:
 			return deleted, fmt.Errorf("dedupactivity: drop partition %s: %w", p.name, err)
 		}
@@ -141,16 +141,9 @@ func (d *Deduper) dropExpiredPartitions(ctx context.Context) (int64, error) {
 // partitionLockTimeout.
 func (d *Deduper) maintain(ctx context.Context, fn func(pgx.Tx) error) error {
 	return pgx.BeginFunc(ctx, d.pool, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, fmt.Sprintf(`SET LOCAL lock_timeout = '%dms'`, partitionLockTimeout.Milliseconds())); err != nil {
+		if _, err := tx.Exec(ctx, setLocalLockTimeoutSQL, fmt.Sprintf("%dms", partitionLockTimeout.Milliseconds())); err != nil {
 			return err
 		}
 		return fn(tx)
 	})
-}
-
-func (d *Deduper) qualify(name string) string {
-	if d.opts.Schema != "" {
-		return pgx.Identifier{d.opts.Schema, name}.Sanitize()
-	}
-	return pgx.Identifier{name}.Sanitize()
 }

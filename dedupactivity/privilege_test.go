@@ -12,10 +12,10 @@ import (
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 )
 
-// TestLeastPrivilegeRole runs claims, duplicates and pruning as a role that
-// holds only the grants the README lists for the marker table (plus what the
-// test's own effect needs), and shows it cannot create tables. Claims and
-// duplicates run before UPDATE is granted: only pruning needs it.
+// TestLeastPrivilegeRole runs Migrate, claims, duplicates and pruning as a
+// role that holds only the grants the README lists for the marker table
+// (plus what the test's own effect needs), and shows it cannot create
+// tables: Migrate on an up-to-date table only reads the catalog.
 func TestLeastPrivilegeRole(t *testing.T) {
 	t.Parallel()
 	b := setup(t, dedupactivity.Options{})
@@ -26,9 +26,7 @@ func TestLeastPrivilegeRole(t *testing.T) {
 	_, err := b.pool.Exec(ctx, fmt.Sprintf(`
 CREATE ROLE %[2]s LOGIN PASSWORD 'pw';
 GRANT USAGE ON SCHEMA %[1]s TO %[2]s;
-REVOKE EXECUTE ON ALL FUNCTIONS IN SCHEMA %[1]s FROM PUBLIC;
-GRANT SELECT, INSERT, DELETE ON %[1]s.dedup_marker TO %[2]s;
-GRANT EXECUTE ON FUNCTION %[1]s.dedup_marker_lock(bytea, bigint, text) TO %[2]s;
+GRANT SELECT, INSERT, DELETE, UPDATE (result) ON %[1]s.dedup_marker TO %[2]s;
 -- the effect's own tables
 GRANT SELECT, INSERT, UPDATE ON %[1]s.ledger, %[1]s.account TO %[2]s;
 GRANT USAGE ON SEQUENCE %[1]s.ledger_id_seq TO %[2]s;`, s, r))
@@ -45,6 +43,7 @@ GRANT USAGE ON SEQUENCE %[1]s.ledger_id_seq TO %[2]s;`, s, r))
 
 	d, err := dedupactivity.New(pool, dedupactivity.Options{})
 	require.NoError(t, err)
+	require.NoError(t, d.Migrate(ctx), "an up-to-date table needs no CREATE")
 	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "k"}
 	_, outcome, err := dedupactivity.Do(ctx, d, id, Transfer{Account: "a", Amount: 1}, b.post)
 	require.NoError(t, err)
@@ -52,12 +51,11 @@ GRANT USAGE ON SEQUENCE %[1]s.ledger_id_seq TO %[2]s;`, s, r))
 	_, outcome, err = dedupactivity.Do(ctx, d, id, Transfer{Account: "a", Amount: 1}, b.post)
 	require.NoError(t, err)
 	require.Equal(t, dedupactivity.OutcomeDuplicate, outcome)
-	_, err = d.Prune(ctx)
-	require.ErrorContains(t, err, "permission denied", "pruning locks the rows it deletes: it needs UPDATE")
-	_, err = b.pool.Exec(ctx, fmt.Sprintf(`GRANT UPDATE ON %s.dedup_marker TO %s`, s, r))
+	_, err = b.pool.Exec(ctx, `UPDATE dedup_marker SET expires_at = now() - interval '1 second'`)
 	require.NoError(t, err)
-	_, err = d.Prune(ctx)
+	n, err := d.Prune(ctx)
 	require.NoError(t, err)
+	require.Equal(t, int64(1), n)
 
 	_, err = pool.Exec(ctx, `CREATE TABLE nope (id int)`)
 	require.Error(t, err, "the runtime role cannot create tables")

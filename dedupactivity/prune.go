@@ -44,9 +44,9 @@ func (d *Deduper) prune(ctx context.Context, afterBatch func(deleted int64)) (in
 		deleted = n
 	}
 	for {
-		tag, err := d.pool.Exec(ctx, d.q.prune, PruneBatchSize)
+		tag, err := d.pool.Exec(ctx, d.store.prune, PruneBatchSize)
 		if err != nil {
-			return deleted, fmt.Errorf("dedupactivity: prune: %w", translate(err))
+			return deleted, fmt.Errorf("dedupactivity: prune: %w", interpretError(err, false))
 		}
 		deleted += tag.RowsAffected()
 		if afterBatch != nil {

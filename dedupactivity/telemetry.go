@@ -130,6 +130,11 @@ type record struct {
 	storedAttempt int32
 }
 
+// set copies what the claim returned into the record.
+func (r *record) set(a attempt) {
+	r.outcome, r.claimWait, r.effectTime, r.ranEffect, r.storedAttempt = a.outcome, a.claimWait, a.effectTime, a.ranEffect, a.storedAttempt
+}
+
 func (t *telemetry) start(ctx context.Context, info activity.Info, id Identity, hash [32]byte) (context.Context, *record) {
 	ctx, span := t.tracer.Start(ctx, "Dedup:"+info.ActivityType.Name,
 		trace.WithSpanKind(trace.SpanKindInternal),

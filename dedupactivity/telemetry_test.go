@@ -89,7 +89,7 @@ func TestTelemetryOutcomes(t *testing.T) {
 			return Posting{}, errors.New("effect failed")
 		}
 		return b.post(ctx, tx, in)
-	})
+	}, dedupactivity.WithBusinessKey(func(Transfer) (string, error) { return "k", nil })) // one event, compared inputs
 	in := Transfer{Account: "a", Amount: 1}
 
 	fail = true

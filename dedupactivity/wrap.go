@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	commonpb "go.temporal.io/api/common/v1"
 	"go.temporal.io/sdk/activity"
+	"go.temporal.io/sdk/converter"
 	"go.temporal.io/sdk/temporal"
 	"go.temporal.io/sdk/worker"
 	"google.golang.org/protobuf/proto"
@@ -17,8 +18,11 @@ import (
 
 // EffectFunc is the user's database effect; it must do all its writes
 // through tx. It runs only in the attempt that claims the event, inside the
-// claim transaction: do not commit or roll back tx, and do not call external
-// systems (email, payments, HTTP) from it; see the package documentation.
+// claim transaction, which the claim owns: tx.Commit and tx.Rollback return
+// ErrTxOwned (return an error to roll back), savepoints (tx.Begin) work, and
+// tx is closed (pgx.ErrTxClosed) once the attempt ends. Do not call
+// external systems (email, payments, HTTP) from it; see the package
+// documentation.
 type EffectFunc[In, Out any] func(ctx context.Context, tx pgx.Tx, in In) (Out, error)
 
 // WrapOption configures one wrapped activity.
@@ -31,6 +35,7 @@ func (f wrapOptionFunc) apply(c *wrapConfig) { f(c) }
 type wrapConfig struct {
 	keyFn     func(in any) (string, error)
 	keyType   reflect.Type
+	keyNil    bool
 	retention time.Duration
 }
 
@@ -39,9 +44,18 @@ type wrapConfig struct {
 // with the same key are one event across runs and workflows. Keys are scoped
 // to the namespace and the activity type. The key must not be empty
 // (ErrEmptyBusinessKey) and In must be the wrapped activity's input type.
+//
+// Deliveries of one key must carry the same input: a different one is a
+// payload mismatch (see Options.MismatchPolicy). Two inputs are the same
+// when their JSON encodings (as the default data converter makes them) are
+// equal after object members whose value is null, false, 0, "", [] or {} are
+// dropped and member order is ignored. So adding a field to the input
+// struct, or omitempty, changes nothing for inputs that leave it at its
+// zero value.
 func WithBusinessKey[In any](key func(in In) (string, error)) WrapOption {
 	return wrapOptionFunc(func(c *wrapConfig) {
 		c.keyType = reflect.TypeFor[In]()
+		c.keyNil = key == nil
 		c.keyFn = func(in any) (string, error) { return key(in.(In)) }
 	})
 }
@@ -52,22 +66,28 @@ func WithRetention(d time.Duration) WrapOption {
 }
 
 // Wrap returns a Temporal activity function that applies fn at most once per
-// event identity. Register it under an explicit name (see Register): a
-// closure has no stable name of its own.
+// event identity. It panics, as Register does, when d or fn is nil or an
+// option does not fit the activity, so a misconfiguration stops the worker
+// at start rather than failing every attempt.
+//
+// Register the returned function under an explicit name (a closure has no
+// stable name of its own), or call it from a method of your activities
+// struct so the method keeps its name and signature:
+//
+//	func (a *Activities) Debit(ctx context.Context, in Posting) (Receipt, error) {
+//		return a.debit(ctx, in) // a.debit = dedupactivity.Wrap(d, a.applyDebit), set once
+//	}
 //
 // Errors reach Temporal as follows: the effect's own errors unchanged; a
 // rejected payload mismatch, an invalid call (not an activity context, empty
-// business key, invalid options) and values the data converter cannot
-// handle as non-retryable ApplicationErrors (ErrType* constants); a claim
-// timeout as a retryable ApplicationError; database errors as they are
-// (retryable).
+// business key, an effect that ended the transaction) and values the data
+// converter cannot handle as non-retryable ApplicationErrors (ErrType*
+// constants); a claim timeout as a retryable ApplicationError; database
+// errors as they are (retryable).
 func Wrap[In, Out any](d *Deduper, fn EffectFunc[In, Out], opts ...WrapOption) func(ctx context.Context, in In) (Out, error) {
 	w, err := newWrapper(d, fn, opts)
 	if err != nil {
-		return func(context.Context, In) (Out, error) {
-			var zero Out
-			return zero, toTemporal(err)
-		}
+		panic(fmt.Sprintf("dedupactivity: Wrap: %v", err))
 	}
 	return w.run
 }
@@ -105,13 +125,14 @@ func newWrapper[In, Out any](d *Deduper, fn EffectFunc[In, Out], opts []WrapOpti
 			o.apply(&w.cfg)
 		}
 	}
-	if w.cfg.keyFn != nil && w.cfg.keyType != reflect.TypeFor[In]() {
+	switch {
+	case w.cfg.keyNil:
+		return nil, fmt.Errorf("%w: WithBusinessKey needs a key function, got nil", ErrInvalidOptions)
+	case w.cfg.keyFn != nil && w.cfg.keyType != reflect.TypeFor[In]():
 		return nil, fmt.Errorf("%w: WithBusinessKey takes %s, the activity's input is %s", ErrInvalidOptions, w.cfg.keyType, reflect.TypeFor[In]())
-	}
-	if w.cfg.keyFn != nil && d.opts.PartitionInterval > 0 {
+	case w.cfg.keyFn != nil && d.opts.PartitionInterval > 0:
 		return nil, fmt.Errorf("%w: WithBusinessKey cannot be used with the partitioned layout (PartitionInterval): deliveries of one key do not share a ScheduledTime", ErrInvalidOptions)
-	}
-	if w.cfg.retention < time.Minute {
+	case w.cfg.retention < time.Minute:
 		return nil, fmt.Errorf("%w: WithRetention must be at least 1m, got %s", ErrInvalidOptions, w.cfg.retention)
 	}
 	return w, nil
@@ -124,12 +145,18 @@ func newWrapper[In, Out any](d *Deduper, fn EffectFunc[In, Out], opts []WrapOpti
 // work that is not a Temporal activity, such as a message consumer; inside
 // an activity, prefer Wrap. The Outcome says what happened: OutcomeClaimed
 // when fn ran and committed, OutcomeDuplicate (or OutcomePayloadMismatch
-// under MismatchReturnStored) when the stored result was returned.
+// under MismatchReturnStored) when the stored result was returned. Both
+// return the result as the data converter decodes it, so a first delivery
+// and a duplicate return equal values. WithBusinessKey does not apply (id
+// is the identity) and is refused.
 func Do[In, Out any](ctx context.Context, d *Deduper, id Identity, in In, fn EffectFunc[In, Out], opts ...WrapOption) (Out, Outcome, error) {
+	var zero Out
 	w, err := newWrapper(d, fn, opts)
 	if err != nil {
-		var zero Out
 		return zero, OutcomeError, err
+	}
+	if w.cfg.keyFn != nil {
+		return zero, OutcomeError, fmt.Errorf("%w: Do takes its identity as an argument; WithBusinessKey does not apply", ErrInvalidOptions)
 	}
 	var info activity.Info
 	if activity.IsActivity(ctx) {
@@ -138,13 +165,21 @@ func Do[In, Out any](ctx context.Context, d *Deduper, id Identity, in In, fn Eff
 	if info.ActivityType.Name == "" {
 		info.ActivityType.Name = id.ActivityType
 	}
-	return w.apply(ctx, info, id, in)
+	out, a, err := w.apply(ctx, info, id, in)
+	if err == nil && a.outcome == OutcomeClaimed && len(a.result) > 0 {
+		// Return what a duplicate would: the decoded result.
+		out = zero
+		if err := w.decode(info, a.result, &out); err != nil {
+			return zero, OutcomeError, err
+		}
+	}
+	return out, a.outcome, err
 }
 
 // run is the activity function.
 func (w *wrapper[In, Out]) run(ctx context.Context, in In) (Out, error) {
+	var zero Out
 	if !activity.IsActivity(ctx) {
-		var zero Out
 		return zero, toTemporal(ErrNotActivity)
 	}
 	info := activity.GetInfo(ctx)
@@ -152,89 +187,115 @@ func (w *wrapper[In, Out]) run(ctx context.Context, in In) (Out, error) {
 	if w.cfg.keyFn != nil {
 		key, err := w.cfg.keyFn(in)
 		if err != nil {
-			var zero Out
 			return zero, toTemporal(fmt.Errorf("dedupactivity: business key: %w", err))
 		}
 		id = Identity{Kind: KindBusinessKey, Namespace: info.Namespace, ActivityType: info.ActivityType.Name, Key: key}
 	}
-	out, outcome, err := w.apply(ctx, info, id, in)
-	if outcome == OutcomeEffectError {
+	out, a, err := w.apply(ctx, info, id, in)
+	if a.outcome == OutcomeEffectError {
 		return out, err // the effect's own error reaches Temporal unchanged
 	}
 	return out, toTemporal(err)
 }
 
 // apply runs one attempt of the event id: it validates the identity,
-// fingerprints the input, traces the attempt, and claims and applies.
-func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Identity, in In) (out Out, outcome Outcome, err error) {
-	ev := &event{id: id, enc: id.Encode(), activityType: info.ActivityType.Name, attempt: info.Attempt, retention: w.cfg.retention}
-	if err := id.validate(ev.enc); err != nil {
-		return out, OutcomeError, err
+// fingerprints a business-keyed input, traces the attempt, and claims and
+// applies.
+func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Identity, in In) (out Out, a attempt, err error) {
+	a.outcome = OutcomeError
+	enc := id.Encode()
+	if err := id.validate(enc); err != nil {
+		return out, a, err
 	}
-	ev.hash = sha256Sum(ev.enc)
+	hash := sha256Sum(enc)
+	m := &marker{hash: hash[:], attempt: info.Attempt, activityType: validText(info.ActivityType.Name), identity: enc}
 	if w.d.opts.PartitionInterval > 0 {
 		if id.Kind != KindActivity && id.Kind != KindStandalone || info.ScheduledTime.IsZero() {
-			return out, OutcomeError, fmt.Errorf("%w: the partitioned layout (PartitionInterval) supports run-scoped identities of regular and standalone activities only, not %s identities or calls outside an activity: their deliveries do not share a ScheduledTime", ErrInvalidOptions, id.Kind)
+			return out, a, fmt.Errorf("%w: the partitioned layout (PartitionInterval) supports run-scoped identities of regular and standalone activities only, not %s identities or calls outside an activity: their deliveries do not share a ScheduledTime", ErrInvalidOptions, id.Kind)
 		}
-		ev.scheduledAt = info.ScheduledTime
+		m.scheduledAt = info.ScheduledTime
 	}
+	m.expiresAt = time.Now().Add(w.cfg.retention)
 	if info.ScheduleToCloseTimeout > 0 && !info.ScheduledTime.IsZero() {
-		ev.minExpiry = info.ScheduledTime.Add(info.ScheduleToCloseTimeout)
+		if bound := info.ScheduledTime.Add(info.ScheduleToCloseTimeout); bound.After(m.expiresAt) {
+			m.expiresAt = bound
+		}
+	}
+	if w.d.opts.DiscardResults {
+		m.result = []byte{} // empty, not NULL: a result that is not kept
 	}
 
-	ctx, rec := w.d.tel.start(ctx, info, id, ev.hash)
-	ctx = withEvent(ctx, ev.hash)
+	ctx, rec := w.d.tel.start(ctx, info, id, hash)
+	ctx = withEvent(ctx, hash)
 	defer func() {
 		if r := recover(); r != nil {
-			rec.outcome = OutcomeEffectError
+			a.outcome = OutcomeEffectError
+			rec.set(a)
 			w.d.tel.end(ctx, rec, fmt.Errorf("panic: %v", r))
 			panic(r)
 		}
+		rec.set(a)
 		w.d.tel.end(ctx, rec, err)
-		outcome = rec.outcome
 	}()
 
-	if ev.fingerprint, err = fingerprint(in); err != nil {
-		rec.outcome = OutcomeError
-		return out, OutcomeError, err
+	if id.Kind == KindBusinessKey {
+		// Run-scoped identities need no fingerprint: Temporal's history
+		// fixes their input, so a difference could only be a false alarm
+		// (an input struct that gained a field between attempts).
+		if m.fingerprint, err = fingerprint(in); err != nil {
+			return out, a, err
+		}
 	}
 
 	var claimedOut Out
-	result, err := w.d.apply(ctx, ev, rec, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+	a, err = w.d.claim(ctx, m, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
 		o, err := w.fn(ctx, tx, in)
 		if err != nil {
 			return nil, effectError{err}
 		}
 		claimedOut = o
-		return w.encode(o)
+		return w.encode(info, o)
 	})
 	if err != nil {
-		var ee effectError
-		if errors.As(err, &ee) {
+		if ee := (effectError{}); errors.As(err, &ee) {
 			err = ee.err // the effect's own error, unchanged
 		}
-		return out, rec.outcome, err
+		return out, a, err
 	}
-	if rec.outcome == OutcomeClaimed {
-		return claimedOut, rec.outcome, nil
+	if a.outcome == OutcomeClaimed {
+		return claimedOut, a, nil
 	}
-	// A duplicate, possibly found only when the marker insert conflicted
-	// after the effect ran (and rolled back): its output is not the result.
-	if result == nil {
-		return out, rec.outcome, nil // results are not stored: the zero value
+	if len(a.result) == 0 {
+		return out, a, nil // results are not stored: the zero value
 	}
-	if err := w.decode(result, &out); err != nil {
-		rec.outcome = OutcomeError
-		return out, OutcomeError, err
+	if err := w.decode(info, a.result, &out); err != nil {
+		a.outcome = OutcomeError
+		return out, a, err
 	}
-	return out, rec.outcome, nil
+	return out, a, nil
 }
 
-func (w *wrapper[In, Out]) encode(o Out) ([]byte, error) {
-	if w.d.opts.DiscardResults {
-		return nil, nil
+// converter is the Deduper's DataConverter with the activity's
+// serialization context, as the SDK applies it to activity results.
+func (w *wrapper[In, Out]) converter(info activity.Info) converter.DataConverter {
+	sc := converter.ActivitySerializationContext{
+		Namespace:    info.Namespace,
+		WorkflowID:   info.WorkflowExecution.ID,
+		ActivityType: info.ActivityType.Name,
+		TaskQueue:    info.TaskQueue,
+		IsLocal:      info.IsLocalActivity,
 	}
-	p, err := w.d.opts.DataConverter.ToPayload(o)
+	if info.WorkflowType != nil {
+		sc.WorkflowType = info.WorkflowType.Name
+	}
+	return converter.WithDataConverterSerializationContext(w.d.opts.DataConverter, sc)
+}
+
+func (w *wrapper[In, Out]) encode(info activity.Info, o Out) ([]byte, error) {
+	if w.d.opts.DiscardResults {
+		return []byte{}, nil
+	}
+	p, err := w.converter(info).ToPayload(o)
 	if err != nil {
 		return nil, fmt.Errorf("%w: encode result: %w", ErrEncoding, err)
 	}
@@ -248,12 +309,12 @@ func (w *wrapper[In, Out]) encode(o Out) ([]byte, error) {
 	return b, nil
 }
 
-func (w *wrapper[In, Out]) decode(b []byte, out *Out) error {
+func (w *wrapper[In, Out]) decode(info activity.Info, b []byte, out *Out) error {
 	var p commonpb.Payload
 	if err := proto.Unmarshal(b, &p); err != nil {
 		return fmt.Errorf("%w: unmarshal stored result: %w", ErrEncoding, err)
 	}
-	if err := w.d.opts.DataConverter.FromPayload(&p, out); err != nil {
+	if err := w.converter(info).FromPayload(&p, out); err != nil {
 		return fmt.Errorf("%w: decode stored result: %w", ErrEncoding, err)
 	}
 	return nil
@@ -275,8 +336,9 @@ func toTemporal(err error) error {
 		return temporal.NewNonRetryableApplicationError(err.Error(), ErrTypePayloadMismatch, err)
 	case errors.Is(err, ErrClaimTimeout):
 		return temporal.NewApplicationErrorWithCause(err.Error(), ErrTypeClaimTimeout, err)
-	case errors.Is(err, ErrNotActivity), errors.Is(err, ErrEmptyBusinessKey),
-		errors.Is(err, ErrIdentityTooLarge), errors.Is(err, ErrInvalidOptions):
+	case errors.Is(err, ErrNotActivity), errors.Is(err, ErrEmptyBusinessKey), errors.Is(err, ErrInvalidIdentity),
+		errors.Is(err, ErrIdentityTooLarge), errors.Is(err, ErrInvalidOptions),
+		errors.Is(err, ErrTxOwned), errors.Is(err, ErrTxEnded):
 		return temporal.NewNonRetryableApplicationError(err.Error(), ErrTypeInvalidUsage, err)
 	case errors.Is(err, ErrResultTooLarge):
 		return temporal.NewNonRetryableApplicationError(err.Error(), ErrTypeResultTooLarge, err)

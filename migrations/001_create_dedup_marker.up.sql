@@ -1,26 +1,34 @@
--- One row per claimed event. The row is inserted in the same transaction as
--- the user's effect, so it exists if and only if the effect committed.
-CREATE TABLE dedup_marker (
-    -- SHA-256 of the canonical identity encoding (see identity.go): fixed
-    -- size, so any identity (NUL bytes, invalid UTF-8, long IDs) fits a
-    -- btree entry.
-    id_hash          bytea       NOT NULL PRIMARY KEY,
+-- The dedupactivity marker table (default layout): one row per applied event.
+-- The claim inserts the row before the effect runs and stores the effect's
+-- result in it just before the commit, in the same transaction, so the row
+-- exists if and only if the effect committed.
+--
+-- Every name is quoted: a migrator that renames the table replaces the token
+-- dedup_marker (also the prefix of the index and constraint names), and any
+-- lower-case identifier, reserved words included, stays valid. The file is
+-- idempotent, so a migration tool and Deduper.Migrate can both apply it.
+CREATE TABLE IF NOT EXISTS "dedup_marker" (
+    -- SHA-256 of the canonical identity encoding (dedupactivity.Identity):
+    -- fixed size, so any identity fits a btree entry.
+    "id_hash"       bytea       NOT NULL,
+    "attempt"       integer     NOT NULL,
+    "claimed_at"    timestamptz NOT NULL DEFAULT now(),
+    -- When the marker may be pruned (Options.Retention, and never before
+    -- the activity's ScheduleToClose bound).
+    "expires_at"    timestamptz NOT NULL,
+    "activity_type" text        NOT NULL,
     -- The canonical identity encoding itself, for operators and audits.
-    identity         bytea       NOT NULL,
-    activity_type    text        NOT NULL,
-    -- Fingerprint of the activity input, and the algorithm that made it, so
-    -- a later change of encoding cannot cause false mismatches.
-    fingerprint      bytea       NOT NULL,
-    fingerprint_alg  smallint    NOT NULL,
-    -- The first attempt's result as a serialized Temporal Payload (encoded by
-    -- the Deduper's DataConverter, codec included). NULL when results are not
-    -- stored.
-    result           bytea,
-    attempt          integer     NOT NULL,
-    claimed_at       timestamptz NOT NULL DEFAULT now(),
-    -- When the marker may be forgotten (see Options.Retention).
-    expires_at       timestamptz NOT NULL,
-    CONSTRAINT dedup_marker_id_hash_len CHECK (octet_length(id_hash) = 32)
-) WITH (fillfactor = 80); -- room for the result UPDATE to stay a HOT update
+    "identity"      bytea       NOT NULL,
+    -- Fingerprint of a business-keyed input (NULL for run-scoped
+    -- identities, whose input Temporal's history fixes).
+    "fingerprint"   bytea,
+    -- The first attempt's result as a serialized Temporal Payload; empty
+    -- when results are discarded (Options.DiscardResults); NULL until the
+    -- claim records it, so NULL in a committed marker means the effect ended
+    -- the transaction itself.
+    "result"        bytea,
+    CONSTRAINT "dedup_marker_pkey" PRIMARY KEY ("id_hash"),
+    CONSTRAINT "dedup_marker_id_hash_len" CHECK (octet_length("id_hash") = 32)
+) WITH (fillfactor = 80); -- room on the page for the result update to be HOT
 
-CREATE INDEX dedup_marker_expires_at_idx ON dedup_marker (expires_at);
+CREATE INDEX IF NOT EXISTS "dedup_marker_expires_at_idx" ON "dedup_marker" ("expires_at");

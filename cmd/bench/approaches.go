@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"crypto/sha256"
 	"errors"
 	"fmt"
 	"math/rand/v2"
@@ -53,6 +52,7 @@ CREATE TABLE ledger (id bigserial PRIMARY KEY, event_key text NOT NULL, account 
 CREATE INDEX ON ledger (event_key);
 CREATE TABLE idem_status (key text PRIMARY KEY, status text NOT NULL, result bytea, updated_at timestamptz NOT NULL DEFAULT now());
 CREATE TABLE processed (key text PRIMARY KEY, result bytea);
+CREATE TABLE processed_events (event_id text PRIMARY KEY);
 CREATE TABLE floor_key (id_hash bytea PRIMARY KEY);`)
 	if err != nil {
 		return fmt.Errorf("schema: %w", err)
@@ -78,19 +78,25 @@ func (b *bench) effect(ctx context.Context, tx pgx.Tx, in posting) (receipt, err
 }
 
 func (b *bench) approaches() []approach {
-	return append([]approach{
-		{name: "bare", deliver: func(ctx context.Context, key string, in posting) (bool, error) {
+	do := func(id func(key string) dedupactivity.Identity) func(ctx context.Context, key string, in posting) (bool, error) {
+		return func(ctx context.Context, key string, in posting) (bool, error) {
+			_, outcome, err := dedupactivity.Do(ctx, b.d, id(key), in, b.effect)
+			return outcome == dedupactivity.OutcomeDuplicate, err
+		}
+	}
+	return []approach{
+		{name: nameBare, deliver: func(ctx context.Context, key string, in posting) (bool, error) {
 			return false, pgx.BeginFunc(ctx, b.pool, func(tx pgx.Tx) error {
 				_, err := b.effect(ctx, tx, in)
 				return err
 			})
 		}},
-		{name: "dedupactivity", deliver: func(ctx context.Context, key string, in posting) (bool, error) {
-			id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, Namespace: "bench", ActivityType: "Post", Key: key}
-			_, outcome, err := dedupactivity.Do(ctx, b.d, id, in, b.effect)
-			return outcome == dedupactivity.OutcomeDuplicate, err
-		}},
-		{name: "status-record", deliver: func(ctx context.Context, key string, in posting) (bool, error) {
+		{name: nameDedup, deliver: do(runScoped)},
+		{name: nameDedupKey, deliver: do(func(key string) dedupactivity.Identity {
+			return dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, Namespace: "bench", ActivityType: "Post", Key: key}
+		})},
+		{name: nameSeed, deliver: b.seedRecipe},
+		{name: nameStatus, deliver: func(ctx context.Context, key string, in posting) (bool, error) {
 			tag, err := b.pool.Exec(ctx, `INSERT INTO idem_status (key, status) VALUES ($1, 'in_progress') ON CONFLICT (key) DO NOTHING`, key)
 			if err != nil {
 				return false, err
@@ -118,20 +124,7 @@ func (b *bench) approaches() []approach {
 			_, err = b.pool.Exec(ctx, `UPDATE idem_status SET status = 'complete', result = $2, updated_at = now() WHERE key = $1`, key, encode(r))
 			return false, err
 		}},
-		// The least a claim-first design that keeps a durable row per event
-		// can write: a 32-byte key into a one-index table, in the BEGIN round
-		// trip, with no result, identity, expiry or concurrency handling (a
-		// duplicate fails on the key). Its ratio to bare bounds every such
-		// design on this machine.
-		{name: nameFloor, reference: true, deliver: func(ctx context.Context, key string, in posting) (bool, error) {
-			h := sha256.Sum256([]byte(key))
-			begin := fmt.Sprintf(`BEGIN ISOLATION LEVEL READ COMMITTED; INSERT INTO floor_key (id_hash) VALUES (E'\\x%x'::bytea)`, h[:])
-			return false, pgx.BeginTxFunc(ctx, b.pool, pgx.TxOptions{BeginQuery: begin}, func(tx pgx.Tx) error {
-				_, err := b.effect(ctx, tx, in)
-				return err
-			})
-		}},
-		{name: "check-then-insert", deliver: func(ctx context.Context, key string, in posting) (bool, error) {
+		{name: nameCheckInsert, deliver: func(ctx context.Context, key string, in posting) (bool, error) {
 			var exists bool
 			if err := b.pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM processed WHERE key = $1)`, key).Scan(&exists); err != nil {
 				return false, err
@@ -148,7 +141,9 @@ func (b *bench) approaches() []approach {
 				return err
 			})
 		}},
-	}, b.protocolApproaches()...)
+		{name: nameByHand, reference: true, deliver: b.byHand},
+		{name: nameFloor, reference: true, deliver: b.floor},
+	}
 }
 
 func encode(r receipt) []byte {
@@ -351,7 +346,7 @@ func (b *bench) doubleDelivery(ctx context.Context, a approach, n int) (doubles,
 // duplicatePath measures, at concurrency 1, dedupactivity's first delivery
 // and redelivery latency (p50).
 func (b *bench) duplicatePath(ctx context.Context, n int) (first, dup time.Duration, err error) {
-	a := b.approaches()[1]
+	a := b.approaches()[1] // dedupactivity
 	var fl, dl []time.Duration
 	for i := range n {
 		key := fmt.Sprintf("dup-%d", i)
@@ -393,15 +388,15 @@ func (b *bench) largeTable(ctx context.Context, n int) (small, big time.Duration
 	if err != nil {
 		return 0, 0, 0, err
 	}
-	// Realistic rows: hash, a run-scoped identity (~80 bytes), a fingerprint
-	// and a ~60-byte stored result.
+	// Realistic rows: hash, a run-scoped identity (~80 bytes) and a ~60-byte
+	// stored result.
 	const batch = 500_000
 	for lo := 0; lo < n; lo += batch {
 		hi := min(n, lo+batch)
 		if _, err := b.pool.Exec(ctx, `
-INSERT INTO dedup_big (id_hash, identity, activity_type, fingerprint, fingerprint_alg, result, attempt, expires_at)
+INSERT INTO dedup_big (id_hash, identity, activity_type, result, attempt, expires_at)
 SELECT sha256(int8send(g)), convert_to('default/transfer-' || g || '/6f1c2a3e-9b7d-4c21-8a55-' || lpad(g::text, 12, '0') || '/5', 'UTF8'),
-       'Post', sha256(int8send(-g)), 1, convert_to('{"EntryID":' || g || ',"Balance":' || (g % 100000) || '}', 'UTF8'), 1,
+       'Post', convert_to('{"EntryID":' || g || ',"Balance":' || (g % 100000) || '}', 'UTF8'), 1,
        now() + interval '30 days'
 FROM generate_series($1::bigint, $2::bigint - 1) g`, lo, hi); err != nil {
 			return 0, 0, 0, fmt.Errorf("fill markers: %w", err)
@@ -424,9 +419,8 @@ FROM generate_series($1::bigint, $2::bigint - 1) g`, lo, hi); err != nil {
 	measure := func(d *dedupactivity.Deduper, tag string, round int, into *[]time.Duration) error {
 		for i := range block {
 			key := fmt.Sprintf("lt-%s-%d-%d", tag, round, i)
-			id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, Namespace: "bench", ActivityType: "Post", Key: key}
 			t0 := time.Now()
-			if _, _, err := dedupactivity.Do(ctx, d, id, newPosting(key), noop); err != nil {
+			if _, _, err := dedupactivity.Do(ctx, d, runScoped(key), newPosting(key), noop); err != nil {
 				return err
 			}
 			if round > 0 {

@@ -2,96 +2,114 @@ package main
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/binary"
 	"fmt"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 )
 
-// Names of the reference rows the report computes with.
+// Names of the rows the report computes with.
 const (
-	nameFloor      = "floor: key insert only"
-	nameByHand     = "by hand: lock, effect, insert marker + result (this version)"
-	nameLockOnly   = "by hand: lock and look only (no marker)"
-	nameMarkerOnly = "by hand: marker + result insert only (no lock)"
+	nameBare        = "bare"
+	nameDedup       = "dedupactivity"
+	nameDedupKey    = "dedupactivity, business key"
+	nameSeed        = "seed recipe (plain pgx)"
+	nameStatus      = "status-record"
+	nameCheckInsert = "check-then-insert"
+	nameFloor       = "floor: key insert only"
+	nameByHand      = "by hand: dedupactivity's SQL"
 )
 
-// protocolApproaches are reference rows that issue dedupactivity's SQL by
-// hand, without the library's Go side (fingerprint, result encoding,
-// telemetry), on the same marker table: the claim of this version (lock and
-// look in the BEGIN round trip, marker inserted with its result in the
-// COMMIT round trip) and the claim before migration 003 (marker inserted in
-// the BEGIN round trip, result stored by an UPDATE in the COMMIT round trip).
-// Side by side they show what writing the marker once is worth; against the
-// dedupactivity row, what the library's Go side costs. Two more rows run
-// each half of this version's claim alone with the effect, so the report
-// can say where the cost over bare goes.
-func (b *bench) protocolApproaches() []approach {
-	type marker struct {
-		hash, enc, fingerprint []byte
-		lockKey                int64
+// runScoped is the run-scoped identity of the bench event key: what a
+// wrapped activity derives from its workflow run by default.
+func runScoped(key string) dedupactivity.Identity {
+	return dedupactivity.Identity{Kind: dedupactivity.KindActivity, Namespace: "default",
+		WorkflowID: "transfer-" + key, RunID: "6f1c2a3e-9b7d-4c21-8a55-4d2e1f0a9b8c", ActivityID: "5"}
+}
+
+// seedRecipe is the method note's recipe as a team would write it with pgx:
+// BeginTx; INSERT ... ON CONFLICT DO NOTHING RETURNING on a text key; the
+// effect only if a row came back; Commit.
+func (b *bench) seedRecipe(ctx context.Context, key string, in posting) (bool, error) {
+	tx, err := b.pool.BeginTx(ctx, pgx.TxOptions{})
+	if err != nil {
+		return false, err
 	}
-	newMarker := func(key string) marker {
-		id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, Namespace: "bench", ActivityType: "Post", Key: key}
-		h := id.Hash()
-		fp := sha256.Sum256([]byte("input:" + key))
-		return marker{hash: h[:], enc: id.Encode(), fingerprint: fp[:], lockKey: int64(binary.BigEndian.Uint64(h[:8]))}
+	defer tx.Rollback(ctx) //nolint:errcheck // no-op after Commit
+	var got string
+	err = tx.QueryRow(ctx, `INSERT INTO processed_events (event_id) VALUES ($1) ON CONFLICT DO NOTHING RETURNING event_id`, key).Scan(&got)
+	if err == pgx.ErrNoRows {
+		return true, tx.Commit(ctx)
 	}
-	// run begins with begin, applies the effect and commits with commit
-	// (which gets the effect's result) in one pipelined round trip.
-	run := func(ctx context.Context, begin string, in posting, commit func(b *pgx.Batch, result []byte)) error {
-		conn, err := b.pool.Acquire(ctx)
-		if err != nil {
-			return err
-		}
-		defer conn.Release()
-		tx, err := conn.Conn().BeginTx(ctx, pgx.TxOptions{BeginQuery: begin})
-		if err != nil {
-			return err
-		}
-		r, err := b.effect(ctx, tx, in)
-		if err != nil {
-			_ = tx.Rollback(ctx)
-			return err
-		}
-		batch := &pgx.Batch{}
-		commit(batch, encode(r))
-		batch.Queue("COMMIT")
-		return conn.SendBatch(ctx, batch).Close()
+	if err != nil {
+		return false, err
 	}
-	lockSQL := func(m marker) string {
-		return fmt.Sprintf(`BEGIN ISOLATION LEVEL READ COMMITTED; SELECT dedup_marker_lock(E'\\x%x'::bytea, %d, '30000ms')`, m.hash, m.lockKey)
+	if _, err := b.effect(ctx, tx, in); err != nil {
+		return false, err
 	}
-	insertMarker := func(m marker) func(batch *pgx.Batch, result []byte) {
-		return func(batch *pgx.Batch, result []byte) {
-			batch.Queue(`WITH i AS (INSERT INTO dedup_marker (id_hash, identity, activity_type, fingerprint, fingerprint_alg, attempt, result, expires_at)
-	VALUES ($1, $2, 'Post', $3, 1, 1, $4, now() + interval '30 days') ON CONFLICT DO NOTHING RETURNING 1)
-SELECT 1 / count(*) FROM i`, m.hash, m.enc, m.fingerprint, result)
-		}
+	return false, tx.Commit(ctx)
+}
+
+// byHand issues dedupactivity's claim SQL (the statements of
+// dedupactivity/store.go) with no Go side around it: no identity encoding,
+// telemetry or result encoding through a DataConverter. Against the
+// dedupactivity row it shows what the library's Go side costs.
+func (b *bench) byHand(ctx context.Context, key string, in posting) (bool, error) {
+	id := runScoped(key)
+	h := id.Hash()
+	conn, err := b.pool.Acquire(ctx)
+	if err != nil {
+		return false, err
 	}
-	return []approach{
-		{name: nameByHand, reference: true, deliver: func(ctx context.Context, key string, in posting) (bool, error) {
-			m := newMarker(key)
-			return false, run(ctx, lockSQL(m), in, insertMarker(m))
-		}},
-		// The two halves of the row above, each alone with the effect: what
-		// the lock and look costs, and what writing the marker row costs.
-		// Neither is safe by itself.
-		{name: nameLockOnly, reference: true, deliver: func(ctx context.Context, key string, in posting) (bool, error) {
-			return false, run(ctx, lockSQL(newMarker(key)), in, func(*pgx.Batch, []byte) {})
-		}},
-		{name: nameMarkerOnly, reference: true, deliver: func(ctx context.Context, key string, in posting) (bool, error) {
-			return false, run(ctx, "BEGIN ISOLATION LEVEL READ COMMITTED", in, insertMarker(newMarker(key)))
-		}},
-		{name: "by hand: insert marker, effect, update result (before 003)", reference: true, deliver: func(ctx context.Context, key string, in posting) (bool, error) {
-			m := newMarker(key)
-			begin := fmt.Sprintf(`BEGIN ISOLATION LEVEL READ COMMITTED; SELECT dedup_marker_claim(E'\\x%x'::bytea, E'\\x%x'::bytea, 'Post', E'\\x%x'::bytea, 1::smallint, 1, 2592000, NULL::timestamptz, '30000ms')`, m.hash, m.enc, m.fingerprint)
-			return false, run(ctx, begin, in, func(batch *pgx.Batch, result []byte) {
-				batch.Queue(`WITH u AS (UPDATE dedup_marker SET result = $2 WHERE id_hash = $1 RETURNING 1) SELECT 1 / count(*) FROM u`, m.hash, result)
-			})
-		}},
+	defer conn.Release()
+	batch := &pgx.Batch{}
+	batch.BeginTx(pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+	batch.Queue(`SELECT set_config('dedupactivity.lock_timeout', current_setting('lock_timeout'), true),
+	set_config('lock_timeout', $1, true)`, "30000ms")
+	batch.Queue(`INSERT INTO "dedup_marker" (id_hash, attempt, expires_at, activity_type, identity, fingerprint, result)
+VALUES ($1, $2, $3, $4, $5, $6, $7)
+ON CONFLICT DO NOTHING RETURNING true`, h[:], int32(1), time.Now().Add(30*24*time.Hour), "Post", id.Encode(), nil, nil)
+	batch.Queue(`SELECT set_config('lock_timeout', current_setting('dedupactivity.lock_timeout'), true)`)
+	br := conn.SendBatch(ctx, batch)
+	tx := br.Tx()
+	if err := br.Close(); err != nil {
+		return false, err
 	}
+	r, err := b.effect(ctx, tx, in)
+	if err != nil {
+		_ = tx.Rollback(ctx)
+		return false, err
+	}
+	batch = &pgx.Batch{}
+	batch.Queue(`UPDATE "dedup_marker" SET result = $2 WHERE id_hash = $1 AND xmin = pg_current_xact_id()::xid`, h[:], encode(r))
+	batch.Queue("COMMIT")
+	return false, conn.SendBatch(ctx, batch).Close()
+}
+
+// floor is a bound, not an approach: the effect plus the least a claim-first
+// design that keeps a durable row per event can write, a 32-byte key into a
+// one-index table, pipelined with BEGIN; no result, identity, expiry or
+// claim wait (a duplicate fails on the key).
+func (b *bench) floor(ctx context.Context, key string, in posting) (bool, error) {
+	h := runScoped(key).Hash()
+	conn, err := b.pool.Acquire(ctx)
+	if err != nil {
+		return false, err
+	}
+	defer conn.Release()
+	batch := &pgx.Batch{}
+	batch.BeginTx(pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+	batch.Queue(`INSERT INTO floor_key (id_hash) VALUES ($1)`, h[:])
+	br := conn.SendBatch(ctx, batch)
+	tx := br.Tx()
+	if err := br.Close(); err != nil {
+		return false, fmt.Errorf("floor key: %w", err)
+	}
+	if _, err := b.effect(ctx, tx, in); err != nil {
+		_ = tx.Rollback(ctx)
+		return false, err
+	}
+	return false, tx.Commit(ctx)
 }

@@ -36,9 +36,9 @@ func (b *bench) pruneBench(ctx context.Context, n int) (*pruneResult, error) {
 	}
 	fill := func(lo, hi int, expires string) error {
 		_, err := b.pool.Exec(ctx, `
-INSERT INTO dedup_prune (id_hash, identity, activity_type, fingerprint, fingerprint_alg, result, attempt, expires_at)
+INSERT INTO dedup_prune (id_hash, identity, activity_type, result, attempt, expires_at)
 SELECT sha256(int8send(g)), convert_to('default/transfer-' || g || '/6f1c2a3e-9b7d-4c21-8a55-' || lpad(g::text, 12, '0') || '/5', 'UTF8'),
-       'Post', sha256(int8send(-g)), 1, convert_to('{"EntryID":' || g || '}', 'UTF8'), 1, `+expires+`
+       'Post', convert_to('{"EntryID":' || g || '}', 'UTF8'), 1, `+expires+`
 FROM generate_series($1::bigint, $2::bigint - 1) g`, lo, hi)
 		return err
 	}

@@ -21,8 +21,8 @@ func testReport(rates map[string]float64, cpu map[string]time.Duration) *report 
 			clientCPU: 0,
 		})
 	}
-	r.roundTrips = []roundTrips{{"bare", 4, 4}, {"dedupactivity", 4, 2}}
-	r.doubles = []doubles{{"dedupactivity", 0, 0}}
+	r.roundTrips = []roundTrips{{nameBare, 4, 4}, {nameDedup, 4, 2}}
+	r.doubles = []doubles{{nameDedup, 0, 0}}
 	r.firstP50, r.dupP50 = 2*time.Millisecond, time.Millisecond
 	r.emptyP50, r.fullP50 = 10*time.Millisecond, 13*time.Millisecond
 	return r
@@ -31,14 +31,14 @@ func testReport(rates map[string]float64, cpu map[string]time.Duration) *report 
 func TestTargetsVerdicts(t *testing.T) {
 	t.Parallel()
 	r := testReport(map[string]float64{
-		"bare": 1000, "dedupactivity": 950, "status-record": 500, nameFloor: 990,
+		nameBare: 1000, nameDedup: 950, nameSeed: 900, nameFloor: 990,
 	}, nil)
 	var b strings.Builder
 	r.targets(&b)
 	out := b.String()
 	for _, want := range []string{
-		"| throughput >= 0.9x bare, every concurrency | 0.95x at 8 | met |",
-		"| throughput >= 1.5x status-record, every concurrency | 1.90x at 8 | met |",
+		"| throughput >= 1.0x the seed recipe, every concurrency | 1.06x at 8 | met |",
+		"| throughput >= 0.80x bare, every concurrency | 0.95x at 8 | met |",
 		"| round trips per first delivery <= the bare transaction's | 4 vs 4 | met |",
 		"| duplicate path cheaper than a first delivery (p50) | 1.00 vs 2.00 ms | met |",
 		"| claim p50 with 100 markers <= 1.2x a small table's | 1.30x | **missed** |",
@@ -51,14 +51,14 @@ func TestTargetsVerdicts(t *testing.T) {
 	}
 
 	r = testReport(map[string]float64{
-		"bare": 1000, "dedupactivity": 899, "status-record": 600, nameFloor: 990,
+		nameBare: 1000, nameDedup: 799, nameSeed: 800, nameFloor: 990,
 	}, nil)
 	b.Reset()
 	r.targets(&b)
 	out = b.String()
 	for _, want := range []string{
-		"| throughput >= 0.9x bare, every concurrency | 0.90x at 8 | **missed** |", // 0.899 rounds up in print, not in the verdict
-		"| throughput >= 1.5x status-record, every concurrency | 1.50x at 8 | **missed** |",
+		"| throughput >= 1.0x the seed recipe, every concurrency | 1.00x at 8 | **missed** |", // 0.99875 rounds up in print, not in the verdict
+		"| throughput >= 0.80x bare, every concurrency | 0.80x at 8 | **missed** |",
 	} {
 		if !strings.Contains(out, want) {
 			t.Errorf("targets lack %q; got:\n%s", want, out)
@@ -70,24 +70,24 @@ func TestCostBreakdown(t *testing.T) {
 	t.Parallel()
 	// 1000 events each; server CPU over the run, so µs/event = ms here.
 	r := testReport(map[string]float64{
-		"bare": 1000, "dedupactivity": 1000, nameByHand: 1000, nameLockOnly: 1000, nameMarkerOnly: 1000, nameFloor: 1000,
+		nameBare: 1000, nameDedup: 1000, nameDedupKey: 1000, nameByHand: 1000, nameSeed: 1000, nameFloor: 1000,
 	}, map[string]time.Duration{
-		"bare":          500 * time.Millisecond,
-		nameLockOnly:    600 * time.Millisecond,
-		nameMarkerOnly:  650 * time.Millisecond,
-		nameByHand:      750 * time.Millisecond,
-		"dedupactivity": 790 * time.Millisecond,
-		nameFloor:       540 * time.Millisecond,
+		nameBare:     500 * time.Millisecond,
+		nameSeed:     600 * time.Millisecond,
+		nameByHand:   650 * time.Millisecond,
+		nameDedup:    690 * time.Millisecond,
+		nameDedupKey: 720 * time.Millisecond,
+		nameFloor:    540 * time.Millisecond,
 	})
 	var b strings.Builder
 	r.costBreakdown(&b)
-	want := "| 8 | 500 | +100 (1.00x) | +150 (1.00x) | +250 (1.00x) | +40 (1.00x) | +290 (1.00x) | +40 (1.00x) |"
+	want := "| 8 | 500 | +100 (1.00x) | +150 (1.00x) | +40 (1.00x) | +30 (1.00x) | +190 (1.00x) | +40 (1.00x) |"
 	if !strings.Contains(b.String(), want) {
 		t.Errorf("breakdown lacks %q; got:\n%s", want, b.String())
 	}
 
 	// Unknown server CPU: no table rows rather than made-up numbers.
-	r.cell("bare", 8).serverCPU = -1
+	r.cell(nameBare, 8).serverCPU = -1
 	b.Reset()
 	r.costBreakdown(&b)
 	if strings.Contains(b.String(), "| 8 |") || !strings.Contains(b.String(), "Not measured") {

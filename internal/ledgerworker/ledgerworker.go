@@ -231,7 +231,7 @@ func Start(ctx context.Context, cfg Config, tel *Telemetry) (_ *Worker, err erro
 	acts.Register(w)
 	dedupactivity.RegisterPruner(w, d)
 	for _, name := range []string{activities.DebitName, activities.CreditName} {
-		if warning := dedupactivity.RedeliveryWarning(name, workflows.ActivityOptions(0), d.Options().Retention); warning != "" {
+		if warning := dedupactivity.RedeliveryWarning(name, workflows.ActivityOptions(0), cmp.Or(cfg.Dedup.Retention, dedupactivity.DefaultRetention)); warning != "" {
 			logger.Warn("dedup retention does not cover redelivery", "warning", warning)
 		}
 	}

@@ -1,1 +1,3 @@
-DROP TABLE IF EXISTS dedup_marker;
+DROP TABLE IF EXISTS "dedup_marker";
+-- Deduper.Migrate's record of applied versions, if it made one.
+DROP TABLE IF EXISTS "dedup_marker_migration";

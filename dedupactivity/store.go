@@ -1,0 +1,275 @@
+package dedupactivity
+
+// This file is the one home of the SQL that touches the marker table and of
+// the translation of PostgreSQL errors into this package's errors. claim.go
+// drives the protocol with these statements; migrate.go, prune.go and
+// partition.go run the rest.
+
+import (
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// SQLSTATEs this package names.
+const (
+	stateUndefinedTable   = "42P01"
+	stateLockNotAvailable = "55P03" // lock_timeout expired
+	stateQueryCanceled    = "57014" // statement_timeout (or a cancel request)
+	stateReadOnlySQLTx    = "25006" // default_transaction_read_only, or a standby
+	stateDuplicateTable   = "42P07"
+	stateCheckViolation   = "23514"
+	stateUniqueViolation  = "23505"
+	stateDuplicateSchema  = "42P06"
+)
+
+// store holds the marker table's statements, with the table name filled in
+// once, and runs the protocol's round trips on a connection.
+type store struct {
+	table       string // quoted and schema-qualified
+	partitioned bool
+
+	// saveLockTimeout remembers the transaction's lock_timeout in a custom
+	// setting and sets the claim's bound; restoreLockTimeout puts it back,
+	// so the effect runs under the session's own lock_timeout.
+	saveLockTimeout, restoreLockTimeout string
+	// insert claims the event: it returns a row only if it inserted the
+	// marker. ON CONFLICT DO NOTHING waits for a concurrent transaction that
+	// inserted the same key: if that one commits, this one inserts nothing
+	// (a duplicate); if it rolls back, this one inserts.
+	insert string
+	// complete stores the result in the marker this transaction inserted.
+	// The xmin condition makes it match nothing when the effect ended the
+	// claim's transaction and began another.
+	complete string
+	// read returns a committed marker.
+	read string
+	// prune deletes up to $1 expired markers, skipping rows locked by a
+	// concurrent pruner.
+	prune string
+}
+
+func newStore(table string, partitioned bool, defaultPartition string) *store {
+	keyCol, keyVal, completeCond, readCond, pruned := ``, ``, ``, ``, table
+	if partitioned {
+		keyCol, keyVal, pruned = `, scheduled_at`, `, $8`, defaultPartition
+		completeCond, readCond = ` AND scheduled_at = $3`, ` AND scheduled_at = $2`
+	}
+	return &store{
+		table:       table,
+		partitioned: partitioned,
+		saveLockTimeout: `SELECT set_config('dedupactivity.lock_timeout', current_setting('lock_timeout'), true),
+	set_config('lock_timeout', $1, true)`,
+		restoreLockTimeout: `SELECT set_config('lock_timeout', current_setting('dedupactivity.lock_timeout'), true)`,
+		insert: `INSERT INTO ` + table + ` (id_hash, attempt, expires_at, activity_type, identity, fingerprint, result` + keyCol + `)
+VALUES ($1, $2, $3, $4, $5, $6, $7` + keyVal + `)
+ON CONFLICT DO NOTHING RETURNING true`,
+		complete: `UPDATE ` + table + ` SET result = $2 WHERE id_hash = $1` + completeCond + ` AND xmin = pg_current_xact_id()::xid`,
+		// bytea read as hex text: pgx decodes bytea text only in the hex
+		// output format, and the simple protocol reads text whatever
+		// bytea_output says.
+		read: `SELECT encode(fingerprint, 'hex'), encode(result, 'hex'), attempt FROM ` + table + ` WHERE id_hash = $1` + readCond,
+		prune: `DELETE FROM ` + pruned + ` WHERE id_hash = ANY (ARRAY(
+	SELECT id_hash FROM ` + pruned + ` WHERE expires_at < now()
+	LIMIT $1 FOR UPDATE SKIP LOCKED))`,
+	}
+}
+
+// Migrations (migrate.go).
+const (
+	// catalogSQL counts which of the columns $2 the table $1 has, and says
+	// whether the version table $3 exists and can be read.
+	catalogSQL = `SELECT
+	(SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = ANY($2) AND NOT attisdropped),
+	(SELECT coalesce(has_table_privilege(to_regclass($3), 'SELECT'), false))`
+	advisoryXactLockSQL   = `SELECT pg_advisory_xact_lock($1)`
+	setLocalSearchPathSQL = `SELECT set_config('search_path', $1, true)`
+)
+
+func createVersionTableSQL(table string) string {
+	return `CREATE TABLE IF NOT EXISTS ` + table + ` (
+	version    integer     PRIMARY KEY,
+	name       text        NOT NULL,
+	applied_at timestamptz NOT NULL DEFAULT now())`
+}
+
+func maxVersionSQL(table string) string { return `SELECT max(version) FROM ` + table }
+
+func recordVersionSQL(table string) string {
+	return `INSERT INTO ` + table + ` (version, name) VALUES ($1, $2) ON CONFLICT (version) DO NOTHING`
+}
+
+// Partition maintenance (partition.go).
+const (
+	listPartitionsSQL = `SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+WHERE i.inhparent = $1::regclass`
+	setLocalLockTimeoutSQL = `SELECT set_config('lock_timeout', $1, true)`
+)
+
+// createPartition makes the range partition name for [lo, hi).
+func (s *store) createPartition(name string, lo, hi time.Time) string {
+	return fmt.Sprintf(`CREATE TABLE %s PARTITION OF %s FOR VALUES FROM (%s) TO (%s) WITH (fillfactor = 80)`,
+		name, s.table, timeLiteral(lo), timeLiteral(hi))
+}
+
+func (s *store) detachPartition(name string) string {
+	return `ALTER TABLE ` + s.table + ` DETACH PARTITION ` + name
+}
+
+// countLiveSQL counts a detached partition's markers and says whether any
+// has not expired.
+func countLiveSQL(name string) string {
+	return `SELECT count(*), coalesce(max(expires_at) >= now(), false) FROM ` + name
+}
+
+func dropTableSQL(name string) string { return `DROP TABLE ` + name }
+
+// timeLiteral is a timestamptz literal for DDL, which takes no parameters;
+// RFC 3339 text holds only digits and "-:.TZ", and is read the same under
+// any DateStyle. Truncated to microseconds, as PostgreSQL stores it.
+func timeLiteral(t time.Time) string {
+	return "'" + t.UTC().Truncate(time.Microsecond).Format(time.RFC3339Nano) + "'::timestamptz"
+}
+
+// marker is the row the claim inserts.
+type marker struct {
+	hash         []byte
+	attempt      int32
+	expiresAt    time.Time
+	activityType string
+	identity     []byte
+	fingerprint  []byte // nil: not compared
+	result       []byte // nil, or empty when results are discarded
+	scheduledAt  time.Time
+}
+
+// queueClaim queues the claim's statements on b: the lock_timeout bound,
+// the insert, and the restore. The caller reads them with readClaim.
+func (s *store) queueClaim(b *pgx.Batch, m *marker, wait time.Duration) {
+	b.Queue(s.saveLockTimeout, fmt.Sprintf("%dms", wait.Milliseconds()))
+	args := []any{m.hash, m.attempt, m.expiresAt, m.activityType, m.identity, m.fingerprint, m.result}
+	if s.partitioned {
+		args = append(args, m.scheduledAt)
+	}
+	b.Queue(s.insert, args...)
+	b.Queue(s.restoreLockTimeout)
+}
+
+// readClaim reads what queueClaim queued. claimed is false when the marker
+// was already committed (a duplicate).
+func (s *store) readClaim(br pgx.BatchResults) (claimed bool, err error) {
+	if _, err := br.Exec(); err != nil {
+		return false, err
+	}
+	err = br.QueryRow().Scan(&claimed)
+	if errors.Is(err, pgx.ErrNoRows) {
+		claimed, err = false, nil
+	}
+	if err != nil {
+		return false, err
+	}
+	_, err = br.Exec()
+	return claimed, err
+}
+
+// queueComplete queues the result update; readComplete reports whether it
+// found the marker this transaction inserted.
+func (s *store) queueComplete(b *pgx.Batch, m *marker) {
+	args := []any{m.hash, m.result}
+	if s.partitioned {
+		args = append(args, m.scheduledAt)
+	}
+	b.Queue(s.complete, args...)
+}
+
+func readComplete(br pgx.BatchResults) (bool, error) {
+	tag, err := br.Exec()
+	return tag.RowsAffected() == 1, err
+}
+
+// stored is a committed marker, as a duplicate delivery reads it.
+type stored struct {
+	fingerprint []byte
+	result      []byte
+	attempt     int32
+}
+
+// queueRead queues the read of m's committed marker; readStored reads it.
+func (s *store) queueRead(b *pgx.Batch, m *marker) {
+	args := []any{m.hash}
+	if s.partitioned {
+		args = append(args, m.scheduledAt)
+	}
+	b.Queue(s.read, args...)
+}
+
+func readStored(br pgx.BatchResults) (st stored, found bool, err error) {
+	var fingerprint, result *string
+	err = br.QueryRow().Scan(&fingerprint, &result, &st.attempt)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return st, false, nil
+	}
+	if err != nil {
+		return st, false, err
+	}
+	if st.fingerprint, err = decodeHex(fingerprint); err != nil {
+		return st, false, err
+	}
+	if st.result, err = decodeHex(result); err != nil {
+		return st, false, err
+	}
+	return st, true, nil
+}
+
+// decodeHex decodes a hex column; NULL stays nil, and '' becomes empty
+// (not nil): a discarded result.
+func decodeHex(s *string) ([]byte, error) {
+	switch {
+	case s == nil:
+		return nil, nil
+	case *s == "":
+		return []byte{}, nil
+	}
+	b, err := hex.DecodeString(*s)
+	if err != nil {
+		return nil, fmt.Errorf("dedupactivity: read marker: %w", err)
+	}
+	return b, nil
+}
+
+// interpretError turns PostgreSQL errors this package knows into its own
+// sentinels, keeping the original in the chain. inClaim says the error came
+// from the claim's statements, where a cancelled statement means the claim's
+// wait ran into statement_timeout.
+func interpretError(err error, inClaim bool) error {
+	switch state := sqlState(err); {
+	case state == stateUndefinedTable:
+		return fmt.Errorf("%w: %w", ErrNotMigrated, err)
+	case state == stateLockNotAvailable && inClaim:
+		return fmt.Errorf("%w: %w", ErrClaimTimeout, err)
+	case state == stateQueryCanceled && inClaim:
+		return fmt.Errorf("%w (statement_timeout is shorter than the claim wait): %w", ErrClaimTimeout, err)
+	case state == stateReadOnlySQLTx:
+		return fmt.Errorf("%w: %w", ErrReadOnly, err)
+	}
+	return err
+}
+
+// validText makes s storable as text: bytes that are not valid UTF-8, and
+// NUL, which text cannot hold, become U+FFFD.
+func validText(s string) string {
+	return strings.ReplaceAll(strings.ToValidUTF8(s, "\uFFFD"), "\x00", "\uFFFD")
+}
+
+func sqlState(err error) string {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return pgErr.Code
+	}
+	return ""
+}

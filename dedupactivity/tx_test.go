@@ -1,0 +1,231 @@
+package dedupactivity_test
+
+import (
+	"context"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/dedupactivity/dedupactivity/dedupactivity"
+)
+
+// TestEffectCannotCommitOrRollBack: the Tx an effect gets refuses Commit and
+// Rollback with ErrTxOwned; an effect that returns that error fails the
+// attempt as a non-retryable misuse, and nothing commits.
+func TestEffectCannotCommitOrRollBack(t *testing.T) {
+	t.Parallel()
+	for name, end := range map[string]func(context.Context, pgx.Tx) error{
+		"Commit":   func(ctx context.Context, tx pgx.Tx) error { return tx.Commit(ctx) },
+		"Rollback": func(ctx context.Context, tx pgx.Tx) error { return tx.Rollback(ctx) },
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, dedupactivity.Options{})
+			fn := dedupactivity.Wrap(b.d, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+				p, err := b.post(ctx, tx, in)
+				if err != nil {
+					return p, err
+				}
+				return p, end(ctx, tx)
+			})
+			_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
+			require.ErrorIs(t, err, dedupactivity.ErrTxOwned)
+			ae := appErr(t, err)
+			require.Equal(t, dedupactivity.ErrTypeInvalidUsage, ae.Type())
+			require.True(t, ae.NonRetryable())
+			require.Zero(t, b.markers(t))
+			require.Zero(t, b.ledgerRows(t))
+		})
+	}
+}
+
+// TestEffectEndingTheTransactionWithSQL: an effect that ends the claim
+// transaction with raw SQL fails the attempt with ErrTxEnded, the marker is
+// never written outside the attempt's own transaction, and no later
+// delivery applies the effect a second time.
+func TestEffectEndingTheTransactionWithSQL(t *testing.T) {
+	t.Parallel()
+	type want struct {
+		ledger, markers int64 // committed after the misusing attempt
+		retryApplies    bool  // a later delivery applies the effect
+	}
+	cases := map[string]struct {
+		sql  []string
+		want want
+	}{
+		// Everything rolled back, the marker too: the event is not lost,
+		// a retry applies it once.
+		"Rollback": {[]string{"ROLLBACK"}, want{ledger: 0, markers: 0, retryApplies: true}},
+		// The marker committed with the effect's writes: the event is
+		// marked, later deliveries apply nothing.
+		"Commit": {[]string{"COMMIT"}, want{ledger: 1, markers: 1}},
+		// COMMIT, then a new transaction: the claim sees it is not its own.
+		"CommitAndBegin": {[]string{"COMMIT", "BEGIN"}, want{ledger: 1, markers: 1}},
+	}
+	for name, c := range cases {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, dedupactivity.Options{})
+			misuse := true
+			fn := dedupactivity.Wrap(b.d, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+				p, err := b.post(ctx, tx, in)
+				if err != nil || !misuse {
+					return p, err
+				}
+				for _, sql := range c.sql {
+					if _, err := tx.Exec(ctx, sql); err != nil {
+						return p, err
+					}
+				}
+				return p, nil
+			})
+			in := Transfer{Account: "a", Amount: 1}
+			_, err := deliver(t, "Post", fn, in)
+			require.ErrorIs(t, err, dedupactivity.ErrTxEnded)
+			require.True(t, appErr(t, err).NonRetryable())
+			require.Equal(t, c.want.ledger, b.ledgerRows(t))
+			require.Equal(t, c.want.markers, b.markers(t))
+
+			misuse = false
+			_, err = deliver(t, "Post", fn, in)
+			if c.want.retryApplies {
+				require.NoError(t, err)
+				require.Equal(t, int64(1), b.ledgerRows(t), "the retry applied the effect once")
+			} else {
+				require.ErrorIs(t, err, dedupactivity.ErrTxEnded, "the event is marked, its result unknown")
+				require.Equal(t, int64(1), b.ledgerRows(t), "no second application")
+			}
+			require.Equal(t, int64(1), b.markers(t))
+		})
+	}
+}
+
+// TestEarlyCommitWithConcurrentAttempt: an effect that commits the claim
+// transaction early while a concurrent attempt of the same event waits
+// still applies the effect once: the early COMMIT commits the marker too.
+func TestEarlyCommitWithConcurrentAttempt(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{ClaimWait: 10 * time.Second})
+	committed := make(chan struct{})
+	var once sync.Once
+	fn := dedupactivity.Wrap(b.d, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+		p, err := b.post(ctx, tx, in)
+		if err != nil {
+			return p, err
+		}
+		first := false
+		once.Do(func() { first = true })
+		if first {
+			if _, err := tx.Exec(ctx, "COMMIT"); err != nil {
+				return p, err
+			}
+			close(committed)
+			time.Sleep(300 * time.Millisecond) // the other attempt runs now
+		}
+		return p, nil
+	})
+	in := Transfer{Account: "a", Amount: 1}
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() { defer wg.Done(); _, _ = deliver(t, "Post", fn, in) }()
+	<-committed
+	_, err := deliver(t, "Post", fn, in)
+	require.ErrorIs(t, err, dedupactivity.ErrTxEnded)
+	wg.Wait()
+	require.Equal(t, int64(1), b.ledgerRows(t), "applied once")
+	require.Equal(t, int64(1), b.effects.Load(), "the second attempt did not run the effect")
+}
+
+// TestSavepointsWork: tx.Begin opens a savepoint; rolling it back undoes
+// only its writes, committing it releases it.
+func TestSavepointsWork(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	fn := dedupactivity.Wrap(b.d, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+		p, err := b.post(ctx, tx, in)
+		if err != nil {
+			return p, err
+		}
+		undone, err := tx.Begin(ctx)
+		if err != nil {
+			return p, err
+		}
+		if _, err := b.post(ctx, undone, Transfer{Account: "b", Amount: 100}); err != nil {
+			return p, err
+		}
+		if err := undone.Rollback(ctx); err != nil {
+			return p, err
+		}
+		kept, err := tx.Begin(ctx)
+		if err != nil {
+			return p, err
+		}
+		nested, err := kept.Begin(ctx)
+		if err != nil {
+			return p, err
+		}
+		if _, err := b.post(ctx, nested, Transfer{Account: "b", Amount: 5}); err != nil {
+			return p, err
+		}
+		if err := nested.Commit(ctx); err != nil {
+			return p, err
+		}
+		if err := kept.Commit(ctx); err != nil {
+			return p, err
+		}
+		if err := kept.Commit(ctx); err == nil {
+			t.Error("a released savepoint commits twice")
+		}
+		return p, nil
+	})
+	_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
+	require.NoError(t, err)
+	require.Equal(t, int64(2), b.ledgerRows(t), "the outer write and the released savepoint's")
+	require.Equal(t, int64(5), b.count(t, `SELECT balance FROM account WHERE id = 'b'`))
+	require.Equal(t, int64(1), b.markers(t))
+}
+
+// TestTxDiesWithTheAttempt: a Tx (or savepoint) kept past the attempt
+// returns pgx.ErrTxClosed from every method and writes nothing, even when
+// its connection is back in the pool inside another event's transaction.
+func TestTxDiesWithTheAttempt(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	var kept, keptSavepoint pgx.Tx
+	fn := dedupactivity.Wrap(b.d, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+		kept = tx
+		sp, err := tx.Begin(ctx)
+		if err != nil {
+			return Posting{}, err
+		}
+		keptSavepoint = sp
+		return b.post(ctx, tx, in)
+	})
+	_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
+	require.NoError(t, err)
+
+	ctx := context.Background()
+	for _, tx := range []pgx.Tx{kept, keptSavepoint} {
+		_, err = tx.Exec(ctx, `INSERT INTO ledger (account, amount) VALUES ('a', 1)`)
+		require.ErrorIs(t, err, pgx.ErrTxClosed)
+		_, err = tx.Query(ctx, `SELECT 1`)
+		require.ErrorIs(t, err, pgx.ErrTxClosed)
+		require.ErrorIs(t, tx.QueryRow(ctx, `SELECT 1`).Scan(new(int)), pgx.ErrTxClosed)
+		br := tx.SendBatch(ctx, &pgx.Batch{})
+		_, err = br.Exec()
+		require.ErrorIs(t, err, pgx.ErrTxClosed)
+		_, err = tx.Begin(ctx)
+		require.ErrorIs(t, err, pgx.ErrTxClosed)
+		_, err = tx.CopyFrom(ctx, pgx.Identifier{"ledger"}, []string{"account", "amount"}, pgx.CopyFromRows([][]any{{"a", 1}}))
+		require.ErrorIs(t, err, pgx.ErrTxClosed)
+		_, err = tx.Prepare(ctx, "s", `SELECT 1`)
+		require.ErrorIs(t, err, pgx.ErrTxClosed)
+		require.ErrorIs(t, tx.Commit(ctx), pgx.ErrTxClosed)
+		require.ErrorIs(t, tx.Rollback(ctx), pgx.ErrTxClosed)
+		require.Nil(t, tx.Conn())
+	}
+	require.Equal(t, int64(1), b.ledgerRows(t))
+}

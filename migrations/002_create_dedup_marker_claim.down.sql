@@ -1,1 +1,0 @@
-DROP FUNCTION IF EXISTS dedup_marker_claim(bytea, bytea, text, bytea, smallint, integer, double precision, timestamptz, text);
