@@ -226,7 +226,7 @@ func readStored(br pgx.BatchResults) (st stored, found bool, err error) {
 	return st, true, nil
 }
 
-// decodeHex decodes a hex column; NULL stays nil, and '' becomes empty
+// decodeHex decodes a hex column; NULL stays nil, and ” becomes empty
 // (not nil): a discarded result.
 func decodeHex(s *string) ([]byte, error) {
 	switch {
