@@ -99,6 +99,29 @@ func RequireServer(tb testing.TB) *Server {
 	return s
 }
 
+// NewCluster starts a cluster of the test's own (for tests that read the
+// server log or restart the server), destroyed when the test ends. Without
+// local PostgreSQL binaries it fails under CI=true and skips elsewhere.
+func NewCluster(tb testing.TB, extra ...string) *Cluster {
+	tb.Helper()
+	c, err := StartCluster(extra...)
+	if err != nil {
+		if os.Getenv("CI") == "true" {
+			tb.Fatalf("pgtest: start a cluster (required under CI=true): %v", err)
+		}
+		tb.Skipf("pgtest: cannot start a cluster of the test's own, skipping: %v", err)
+	}
+	tb.Cleanup(func() {
+		if err := c.Destroy(); err != nil {
+			tb.Errorf("pgtest: %v", err)
+		}
+	})
+	return c
+}
+
+// LogPath is the server log of the cluster.
+func (c *Cluster) LogPath() string { return filepath.Join(c.Dir, "server.log") }
+
 // Schema is a schema created for one test, dropped when the test ends.
 type Schema struct {
 	// Name of the schema.
