@@ -233,6 +233,12 @@ func (d *Deduper) duplicate(ctx context.Context, conn *pgx.Conn, m *marker, a at
 	if cerr := br.Close(); err == nil {
 		err = cerr
 	}
+	return d.judge(m, st, found, err, a)
+}
+
+// judge decides what a delivery that found the event's marker committed
+// returns, from the marker read (st, found, err).
+func (d *Deduper) judge(m *marker, st stored, found bool, err error, a attempt) (attempt, error) {
 	if err != nil {
 		return a, fmt.Errorf("dedupactivity: read marker: %w", interpretError(err, false))
 	}
@@ -252,7 +258,7 @@ func (d *Deduper) duplicate(ctx context.Context, conn *pgx.Conn, m *marker, a at
 	}
 	if st.result == nil {
 		a.outcome = OutcomeError
-		return a, fmt.Errorf("%w: the event was applied by attempt %d, whose effect ended the claim transaction, so no result was recorded", ErrTxEnded, st.attempt)
+		return a, fmt.Errorf("%w: the event was applied by attempt %d, whose effect ended the claim transaction (or whose caller committed without Claim.Complete), so no result was recorded", ErrTxEnded, st.attempt)
 	}
 	a.result = st.result
 	return a, nil

@@ -8,12 +8,9 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	commonpb "go.temporal.io/api/common/v1"
 	"go.temporal.io/sdk/activity"
-	"go.temporal.io/sdk/converter"
 	"go.temporal.io/sdk/temporal"
 	"go.temporal.io/sdk/worker"
-	"google.golang.org/protobuf/proto"
 )
 
 // EffectFunc is the user's database effect; it must do all its writes
@@ -275,49 +272,12 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 	return out, a, nil
 }
 
-// converter is the Deduper's DataConverter with the activity's
-// serialization context, as the SDK applies it to activity results.
-func (w *wrapper[In, Out]) converter(info activity.Info) converter.DataConverter {
-	sc := converter.ActivitySerializationContext{
-		Namespace:    info.Namespace,
-		WorkflowID:   info.WorkflowExecution.ID,
-		ActivityType: info.ActivityType.Name,
-		TaskQueue:    info.TaskQueue,
-		IsLocal:      info.IsLocalActivity,
-	}
-	if info.WorkflowType != nil {
-		sc.WorkflowType = info.WorkflowType.Name
-	}
-	return converter.WithDataConverterSerializationContext(w.d.opts.DataConverter, sc)
-}
-
 func (w *wrapper[In, Out]) encode(info activity.Info, o Out) ([]byte, error) {
-	if w.d.opts.DiscardResults {
-		return []byte{}, nil
-	}
-	p, err := w.converter(info).ToPayload(o)
-	if err != nil {
-		return nil, fmt.Errorf("%w: encode result: %w", ErrEncoding, err)
-	}
-	b, err := proto.Marshal(p)
-	if err != nil {
-		return nil, fmt.Errorf("%w: marshal result payload: %w", ErrEncoding, err)
-	}
-	if len(b) > w.d.opts.MaxResultBytes {
-		return nil, fmt.Errorf("%w: %d bytes encoded, MaxResultBytes is %d", ErrResultTooLarge, len(b), w.d.opts.MaxResultBytes)
-	}
-	return b, nil
+	return w.d.encodeResult(info, o)
 }
 
 func (w *wrapper[In, Out]) decode(info activity.Info, b []byte, out *Out) error {
-	var p commonpb.Payload
-	if err := proto.Unmarshal(b, &p); err != nil {
-		return fmt.Errorf("%w: unmarshal stored result: %w", ErrEncoding, err)
-	}
-	if err := w.converter(info).FromPayload(&p, out); err != nil {
-		return fmt.Errorf("%w: decode stored result: %w", ErrEncoding, err)
-	}
-	return nil
+	return w.d.decodeResult(info, b, out)
 }
 
 // toTemporal converts this package's errors to Temporal errors at the

@@ -1,0 +1,174 @@
+package dedupactivity
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"go.temporal.io/sdk/activity"
+)
+
+// ErrNotClaimed is returned by Claim.Complete on a claim that did not claim
+// its event (a duplicate), or that was completed already.
+var ErrNotClaimed = errors.New("dedupactivity: Complete on a claim that did not claim its event, or twice")
+
+// Claim is an event claimed inside a transaction the caller owns; see
+// ClaimTx.
+type Claim[Out any] struct {
+	d       *Deduper
+	tx      pgx.Tx
+	m       *marker
+	info    activity.Info
+	outcome Outcome
+	stored  Out
+	done    bool
+}
+
+// ClaimTx claims the event id inside tx, a transaction the caller began and
+// commits itself: the lower-level form for code that already opens its own
+// transaction (as River's JobCompleteTx completes a job inside the caller's).
+// in is the event's input, compared with the first delivery's for business
+// keys as in WithBusinessKey.
+//
+// When the Claim's Outcome is OutcomeClaimed, apply the effect through tx,
+// call Complete with its result, and commit tx: the marker commits with the
+// effect or not at all. Otherwise (OutcomeDuplicate, or
+// OutcomePayloadMismatch under MismatchReturnStored) the event was applied
+// before: write nothing, and return Stored. A rejected mismatch is an error
+// wrapping ErrPayloadMismatch.
+//
+// The claim inserts the marker right away, so a concurrent attempt of the
+// same event waits (at most Options.ClaimWait) until tx ends. Committing tx
+// without Complete marks the event without a result: later deliveries fail
+// with ErrTxEnded. Any isolation level works; under REPEATABLE READ and
+// SERIALIZABLE a concurrent commit of the same event is a serialization
+// failure (SQLSTATE 40001) that the caller retries as usual. The
+// partitioned layout is not supported (its key is the activity's
+// ScheduledTime).
+func ClaimTx[Out any](ctx context.Context, d *Deduper, tx pgx.Tx, id Identity, in any) (*Claim[Out], error) {
+	switch {
+	case d == nil:
+		return nil, fmt.Errorf("%w: Deduper is nil", ErrInvalidOptions)
+	case tx == nil:
+		return nil, fmt.Errorf("%w: tx is nil", ErrInvalidOptions)
+	case d.opts.PartitionInterval > 0:
+		return nil, fmt.Errorf("%w: ClaimTx does not support the partitioned layout (PartitionInterval)", ErrInvalidOptions)
+	}
+	enc := id.Encode()
+	if err := id.validate(enc); err != nil {
+		return nil, err
+	}
+	var info activity.Info
+	if activity.IsActivity(ctx) {
+		info = activity.GetInfo(ctx)
+	}
+	if info.ActivityType.Name == "" {
+		info.ActivityType.Name = id.ActivityType
+	}
+	hash := sha256Sum(enc)
+	c := &Claim[Out]{d: d, tx: tx, info: info, m: &marker{
+		hash: hash[:], attempt: info.Attempt, activityType: validText(info.ActivityType.Name), identity: enc,
+		expiresAt: time.Now().Add(d.opts.Retention),
+	}}
+	if d.opts.DiscardResults {
+		c.m.result = []byte{}
+	}
+
+	ctx, rec := d.tel.start(ctx, info, id, hash)
+	a := attempt{outcome: OutcomeError}
+	var err error
+	defer func() {
+		rec.set(a)
+		d.tel.end(ctx, rec, err)
+	}()
+	if id.Kind == KindBusinessKey {
+		if c.m.fingerprint, err = fingerprint(in); err != nil {
+			return nil, err
+		}
+	}
+	start := time.Now()
+	b := &pgx.Batch{}
+	d.store.queueClaim(b, c.m, claimWait(ctx, d.opts.ClaimWait))
+	br := tx.SendBatch(ctx, b)
+	claimed, err := d.store.readClaim(br)
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	a.claimWait = time.Since(start)
+	if err != nil {
+		err = fmt.Errorf("dedupactivity: claim: %w", interpretError(err, true))
+		if errors.Is(err, ErrClaimTimeout) {
+			a.outcome = OutcomeClaimTimeout
+		}
+		return nil, err
+	}
+	if claimed {
+		a.outcome, c.outcome = OutcomeClaimed, OutcomeClaimed
+		return c, nil
+	}
+	// A duplicate: a new statement of this transaction reads the committed
+	// marker (READ COMMITTED takes a new snapshot; under the stricter levels
+	// the claim has failed already if the marker is not visible).
+	b = &pgx.Batch{}
+	d.store.queueRead(b, c.m)
+	br = tx.SendBatch(ctx, b)
+	st, found, rerr := readStored(br)
+	if cerr := br.Close(); rerr == nil {
+		rerr = cerr
+	}
+	if a, err = d.judge(c.m, st, found, rerr, a); err != nil {
+		return nil, err
+	}
+	c.outcome = a.outcome
+	if len(a.result) > 0 {
+		if err = d.decodeResult(info, a.result, &c.stored); err != nil {
+			a.outcome = OutcomeError
+			return nil, err
+		}
+	}
+	return c, nil
+}
+
+// Outcome says what the claim found: OutcomeClaimed (apply the effect, then
+// Complete), OutcomeDuplicate, or OutcomePayloadMismatch under
+// MismatchReturnStored.
+func (c *Claim[Out]) Outcome() Outcome { return c.outcome }
+
+// Stored is the first delivery's result, when the outcome is not
+// OutcomeClaimed (the zero value when results are discarded).
+func (c *Claim[Out]) Stored() Out { return c.stored }
+
+// Complete records the effect's result in the marker, in the claim's
+// transaction; commit the transaction after it. It fails with ErrNotClaimed
+// on a duplicate or a second call, and with ErrTxEnded when the claim's
+// transaction is no longer the one running on tx.
+func (c *Claim[Out]) Complete(ctx context.Context, result Out) error {
+	if c.outcome != OutcomeClaimed || c.done {
+		return ErrNotClaimed
+	}
+	c.done = true
+	if c.d.opts.DiscardResults {
+		return nil
+	}
+	b, err := c.d.encodeResult(c.info, result)
+	if err != nil {
+		return err
+	}
+	c.m.result = b
+	batch := &pgx.Batch{}
+	c.d.store.queueComplete(batch, c.m)
+	br := c.tx.SendBatch(ctx, batch)
+	found, err := readComplete(br)
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	switch {
+	case err != nil:
+		return fmt.Errorf("dedupactivity: store result: %w", interpretError(err, false))
+	case !found:
+		return fmt.Errorf("%w: the transaction that claimed the event is no longer the one on tx", ErrTxEnded)
+	}
+	return nil
+}

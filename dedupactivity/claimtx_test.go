@@ -1,0 +1,144 @@
+package dedupactivity_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/stretchr/testify/require"
+
+	"github.com/dedupactivity/dedupactivity/dedupactivity"
+)
+
+// TestClaimTx: the lower-level form claims inside the caller's transaction;
+// the marker commits with the caller's effect, and every misuse is named.
+func TestClaimTx(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{ClaimWait: 5 * time.Second})
+	ctx := context.Background()
+	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "order-1"}
+	in := Transfer{Account: "a", Amount: 2}
+
+	// deliver runs one delivery in a transaction of the caller's.
+	deliver := func(in Transfer, complete bool) (Posting, dedupactivity.Outcome, error) {
+		var out Posting
+		var outcome dedupactivity.Outcome
+		err := pgx.BeginFunc(ctx, b.pool, func(tx pgx.Tx) error {
+			c, err := dedupactivity.ClaimTx[Posting](ctx, b.d, tx, id, in)
+			if err != nil {
+				return err
+			}
+			outcome = c.Outcome()
+			if outcome != dedupactivity.OutcomeClaimed {
+				out = c.Stored()
+				require.ErrorIs(t, c.Complete(ctx, out), dedupactivity.ErrNotClaimed)
+				return nil
+			}
+			if out, err = b.post(ctx, tx, in); err != nil {
+				return err
+			}
+			if !complete {
+				return nil
+			}
+			if err := c.Complete(ctx, out); err != nil {
+				return err
+			}
+			require.ErrorIs(t, c.Complete(ctx, out), dedupactivity.ErrNotClaimed, "twice")
+			return nil
+		})
+		return out, outcome, err
+	}
+
+	first, outcome, err := deliver(in, true)
+	require.NoError(t, err)
+	require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
+	dup, outcome, err := deliver(in, true)
+	require.NoError(t, err)
+	require.Equal(t, dedupactivity.OutcomeDuplicate, outcome)
+	require.Equal(t, first, dup)
+	_, _, err = deliver(Transfer{Account: "a", Amount: 3}, true)
+	require.ErrorIs(t, err, dedupactivity.ErrPayloadMismatch)
+	require.Equal(t, int64(1), b.ledgerRows(t))
+
+	// The caller rolls back: nothing is marked, the next delivery claims.
+	id = dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "order-2"}
+	tx, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	c, err := dedupactivity.ClaimTx[Posting](ctx, b.d, tx, id, in)
+	require.NoError(t, err)
+	require.Equal(t, dedupactivity.OutcomeClaimed, c.Outcome())
+	require.NoError(t, tx.Rollback(ctx))
+	require.ErrorIs(t, c.Complete(ctx, Posting{}), pgx.ErrTxClosed)
+	_, outcome, err = deliver(in, true)
+	require.NoError(t, err)
+	require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
+
+	// Committed without Complete: marked, and later deliveries say so.
+	id = dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "order-3"}
+	_, _, err = deliver(in, false)
+	require.NoError(t, err)
+	_, _, err = deliver(in, true)
+	require.ErrorIs(t, err, dedupactivity.ErrTxEnded)
+	require.Equal(t, int64(3), b.ledgerRows(t))
+
+	// Complete in another transaction than the claim's.
+	id = dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "order-4"}
+	conn, err := b.pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer conn.Release()
+	tx, err = conn.Begin(ctx)
+	require.NoError(t, err)
+	c, err = dedupactivity.ClaimTx[Posting](ctx, b.d, tx, id, in)
+	require.NoError(t, err)
+	_, err = tx.Exec(ctx, "COMMIT; BEGIN")
+	require.NoError(t, err)
+	require.ErrorIs(t, c.Complete(ctx, Posting{}), dedupactivity.ErrTxEnded)
+	require.NoError(t, tx.Rollback(ctx))
+
+	_, err = dedupactivity.ClaimTx[Posting](ctx, b.d, nil, id, in)
+	require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions)
+}
+
+// TestClaimTxConcurrentUnderSerializable: a concurrent claim of the same
+// event waits for the first transaction; under SERIALIZABLE its commit makes
+// the waiter fail with a serialization failure (retry), under READ
+// COMMITTED the waiter sees a duplicate.
+func TestClaimTxConcurrentUnderSerializable(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{ClaimWait: 5 * time.Second})
+	ctx := context.Background()
+	for iso, want := range map[pgx.TxIsoLevel]string{pgx.Serializable: "40001", pgx.ReadCommitted: ""} {
+		id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: string(iso)}
+		tx1, err := b.pool.Begin(ctx)
+		require.NoError(t, err)
+		c1, err := dedupactivity.ClaimTx[int](ctx, b.d, tx1, id, 1)
+		require.NoError(t, err)
+		require.Equal(t, dedupactivity.OutcomeClaimed, c1.Outcome())
+
+		done := make(chan error, 1)
+		var outcome dedupactivity.Outcome
+		go func() {
+			done <- pgx.BeginTxFunc(ctx, b.pool, pgx.TxOptions{IsoLevel: iso}, func(tx pgx.Tx) error {
+				c2, err := dedupactivity.ClaimTx[int](ctx, b.d, tx, id, 1)
+				if err == nil {
+					outcome = c2.Outcome()
+				}
+				return err
+			})
+		}()
+		time.Sleep(200 * time.Millisecond) // the second claim waits on the first
+		require.NoError(t, c1.Complete(ctx, 7))
+		require.NoError(t, tx1.Commit(ctx))
+		err = <-done
+		if want != "" {
+			var pgErr *pgconn.PgError
+			require.ErrorAs(t, err, &pgErr)
+			require.Equal(t, want, pgErr.Code)
+		} else {
+			require.NoError(t, err)
+			require.Equal(t, dedupactivity.OutcomeDuplicate, outcome)
+		}
+	}
+}

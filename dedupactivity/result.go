@@ -1,0 +1,59 @@
+package dedupactivity
+
+import (
+	"fmt"
+
+	commonpb "go.temporal.io/api/common/v1"
+	"go.temporal.io/sdk/activity"
+	"go.temporal.io/sdk/converter"
+	"google.golang.org/protobuf/proto"
+)
+
+// converter is the Deduper's DataConverter with the activity's
+// serialization context, as the SDK applies it to activity results (outside
+// an activity, the context holds only the activity type).
+func (d *Deduper) converter(info activity.Info) converter.DataConverter {
+	sc := converter.ActivitySerializationContext{
+		Namespace:    info.Namespace,
+		WorkflowID:   info.WorkflowExecution.ID,
+		ActivityType: info.ActivityType.Name,
+		TaskQueue:    info.TaskQueue,
+		IsLocal:      info.IsLocalActivity,
+	}
+	if info.WorkflowType != nil {
+		sc.WorkflowType = info.WorkflowType.Name
+	}
+	return converter.WithDataConverterSerializationContext(d.opts.DataConverter, sc)
+}
+
+// encodeResult encodes an effect's result for the marker: a serialized
+// Temporal Payload, or empty when results are discarded.
+func (d *Deduper) encodeResult(info activity.Info, v any) ([]byte, error) {
+	if d.opts.DiscardResults {
+		return []byte{}, nil
+	}
+	p, err := d.converter(info).ToPayload(v)
+	if err != nil {
+		return nil, fmt.Errorf("%w: encode result: %w", ErrEncoding, err)
+	}
+	b, err := proto.Marshal(p)
+	if err != nil {
+		return nil, fmt.Errorf("%w: marshal result payload: %w", ErrEncoding, err)
+	}
+	if len(b) > d.opts.MaxResultBytes {
+		return nil, fmt.Errorf("%w: %d bytes encoded, MaxResultBytes is %d", ErrResultTooLarge, len(b), d.opts.MaxResultBytes)
+	}
+	return b, nil
+}
+
+// decodeResult decodes a stored result into out (a pointer).
+func (d *Deduper) decodeResult(info activity.Info, b []byte, out any) error {
+	var p commonpb.Payload
+	if err := proto.Unmarshal(b, &p); err != nil {
+		return fmt.Errorf("%w: unmarshal stored result: %w", ErrEncoding, err)
+	}
+	if err := d.converter(info).FromPayload(&p, out); err != nil {
+		return fmt.Errorf("%w: decode stored result: %w", ErrEncoding, err)
+	}
+	return nil
+}
