@@ -114,7 +114,9 @@ func (e *StatusError) Error() string {
 }
 
 // Is makes a permanent status match ErrPermanent.
-func (e *StatusError) Is(target error) bool { return target == ErrPermanent && !Retryable(e.StatusCode) }
+func (e *StatusError) Is(target error) bool {
+	return target == ErrPermanent && !Retryable(e.StatusCode)
+}
 
 // Retryable says whether a delivery answered with status is worth
 // retrying: 408 Request Timeout, 409 Conflict (the destination is still

@@ -26,7 +26,9 @@ const (
 func (r *Relay) RelayActivityName() string { return RelayWorkflowName + ":" + r.ob.table }
 
 // ReconcileActivityName is the name of rc's reconcile activity.
-func (rc *Reconciler) ReconcileActivityName() string { return ReconcileWorkflowName + ":" + rc.ob.table }
+func (rc *Reconciler) ReconcileActivityName() string {
+	return ReconcileWorkflowName + ":" + rc.ob.table
+}
 
 // RegisterRelay registers the relay workflow and r's relay activity on a
 // worker. The activity runs one pass (RunOnce), heartbeating after every
