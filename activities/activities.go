@@ -19,6 +19,7 @@ import (
 	"go.temporal.io/sdk/worker"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
+	"github.com/dedupactivity/dedupactivity/dedupactivity/outbox"
 	"github.com/dedupactivity/dedupactivity/migrations/ledger"
 )
 
@@ -58,6 +59,18 @@ type Receipt struct {
 	Attempt int32
 }
 
+// ReceiptsDestination is the outbox destination of transfer receipts.
+const ReceiptsDestination = "receipts"
+
+// ReceiptMessage is the receipt Credit sends, through the outbox, to the
+// receipts service once a transfer's credit has been applied.
+type ReceiptMessage struct {
+	TransferID    string
+	Account       string
+	Amount        int64
+	CreditEntryID int64
+}
+
 // ErrInsufficientFunds is returned by Debit when the account would go below
 // zero. It reaches the workflow as a non-retryable ApplicationError of type
 // "InsufficientFunds".
@@ -67,6 +80,9 @@ var ErrInsufficientFunds = errors.New("insufficient funds")
 type Activities struct {
 	Pool    *pgxpool.Pool
 	Deduper *dedupactivity.Deduper
+	// Outbox, when set, makes Credit enqueue a ReceiptMessage in its
+	// transaction, for the receipts service.
+	Outbox *outbox.Outbox
 }
 
 // Register registers Debit and Credit, wrapped, on r.
@@ -92,6 +108,10 @@ func (a *Activities) Debit(ctx context.Context, tx pgx.Tx, in Posting) (Receipt,
 // Credit adds Amount to Account.
 func (a *Activities) Credit(ctx context.Context, tx pgx.Tx, in Posting) (Receipt, error) {
 	r, err := post(ctx, tx, in, "credit", in.Amount)
+	if err == nil && a.Outbox != nil {
+		_, err = a.Outbox.Enqueue(ctx, tx, outbox.Message{Destination: ReceiptsDestination, Name: "receipt",
+			Payload: ReceiptMessage{TransferID: in.TransferID, Account: in.Account, Amount: in.Amount, CreditEntryID: r.EntryID}})
+	}
 	if err == nil && in.Faults.StallCredit > 0 && activity.GetInfo(ctx).Attempt == 1 {
 		time.Sleep(in.Faults.StallCredit) // deliberately deaf to ctx: a zombie attempt
 	}

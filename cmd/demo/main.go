@@ -28,7 +28,6 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	"go.temporal.io/sdk/client"
 	tlog "go.temporal.io/sdk/log"
@@ -37,6 +36,7 @@ import (
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 	"github.com/dedupactivity/dedupactivity/internal/ledgerworker"
 	"github.com/dedupactivity/dedupactivity/internal/pgtest"
+	"github.com/dedupactivity/dedupactivity/internal/receipts"
 	"github.com/dedupactivity/dedupactivity/internal/temporaltest"
 	"github.com/dedupactivity/dedupactivity/workflows"
 )
@@ -117,8 +117,17 @@ func run() error {
 		TracerProvider: envTel.TracerProvider,
 		MeterProvider:  sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)),
 	}
+	fmt.Println("starting the receipts service (its own process and database) ...")
+	rs, err := startReceipts(ctx, dbURL)
+	if err != nil {
+		return err
+	}
+	defer rs.Stop()
+	fmt.Printf("receipts service: %s\n", rs.URL)
+
 	taskQueue := "demo-" + randomHex()
 	w, err := ledgerworker.Start(ctx, ledgerworker.Config{
+		ReceiptsURL:     rs.URL,
 		TemporalAddress: temporalAddr,
 		Namespace:       cmp.Or(os.Getenv("TEMPORAL_NAMESPACE"), ledgerworker.DefaultNamespace),
 		TaskQueue:       taskQueue,
@@ -136,6 +145,10 @@ func run() error {
 		if err := h.Delete(context.WithoutCancel(ctx)); err != nil {
 			fmt.Fprintln(os.Stderr, "demo: delete prune schedule:", err)
 		}
+		h = w.Client.ScheduleClient().GetHandle(context.WithoutCancel(ctx), ledgerworker.ReconcileScheduleID(taskQueue))
+		if err := h.Delete(context.WithoutCancel(ctx)); err != nil {
+			fmt.Fprintln(os.Stderr, "demo: delete reconcile schedule:", err)
+		}
 	}()
 
 	accounts := make([]string, cfg.accounts)
@@ -150,7 +163,14 @@ func run() error {
 		cfg.workflows, taskQueue, cfg.lostEvery, cfg.stallEvery)
 	results := runTransfers(ctx, w.Client, taskQueue, accounts, cfg)
 
-	return report(ctx, w.Pool, reader, accounts, cfg, results, time.Since(began))
+	// Let the relay deliver what the last transfers enqueued.
+	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
+		st, err := w.Outbox.Stats(ctx)
+		if err == nil && st.Pending+st.Sending == 0 {
+			break
+		}
+	}
+	return report(ctx, w, rs, reader, accounts, cfg, results, time.Since(began))
 }
 
 type outcome struct {
@@ -208,7 +228,8 @@ func runTransfers(ctx context.Context, c client.Client, taskQueue string, accoun
 	}
 }
 
-func report(ctx context.Context, pool *pgxpool.Pool, reader *sdkmetric.ManualReader, accounts []string, cfg config, results []outcome, took time.Duration) error {
+func report(ctx context.Context, w *ledgerworker.Worker, rs *receiptsService, reader *sdkmetric.ManualReader, accounts []string, cfg config, results []outcome, took time.Duration) error {
+	pool := w.Pool
 	byOutcome, err := ledgerworker.Counts(ctx, reader)
 	if err != nil {
 		return err
@@ -256,6 +277,30 @@ func report(ctx context.Context, pool *pgxpool.Pool, reader *sdkmetric.ManualRea
 			problems = append(problems, problem)
 		}
 	}
+	// The receipts service's own database: every completed transfer has
+	// exactly one receipt there.
+	st, err := w.Outbox.Stats(ctx)
+	if err != nil {
+		return err
+	}
+	receiptCounts, err := receipts.Counts(ctx, rs.Pool, ids)
+	if err != nil {
+		return err
+	}
+	receiptsApplied := 0
+	for _, r := range results {
+		n := receiptCounts[r.req.TransferID]
+		receiptsApplied += n
+		switch {
+		case n > 1:
+			problems = append(problems, fmt.Sprintf("%s: %d receipts at the destination", r.req.TransferID, n))
+		case r.err == nil && n != 1:
+			problems = append(problems, fmt.Sprintf("%s completed but has %d receipts at the destination", r.req.TransferID, n))
+		}
+	}
+	if st.Dead > 0 {
+		problems = append(problems, fmt.Sprintf("%d dead letters in the outbox", st.Dead))
+	}
 	want := cfg.balance * int64(len(accounts))
 	if total != want {
 		problems = append(problems, fmt.Sprintf("money not conserved: balances sum to %d, want %d", total, want))
@@ -285,6 +330,13 @@ func report(ctx context.Context, pool *pgxpool.Pool, reader *sdkmetric.ManualRea
 	fmt.Fprintf(tw, "ledger rows\t%d\t\n", rows)
 	fmt.Fprintf(tw, "transfers applied twice\t%d\t\n", doubles)
 	fmt.Fprintf(tw, "money (sum of balances)\t%d\t\n", total)
+	fmt.Fprintf(tw, "outbox: receipts enqueued\t%d\t\n", st.Enqueued())
+	fmt.Fprintf(tw, "outbox: sent (acknowledged)\t%d\t\n", st.Sent)
+	fmt.Fprintf(tw, "outbox: re-sent\t%d\t\n", st.Resends)
+	fmt.Fprintf(tw, "outbox: settled by reconciler\t%d\t\n", st.Applied)
+	fmt.Fprintf(tw, "outbox: pending\t%d\t\n", st.Pending+st.Sending)
+	fmt.Fprintf(tw, "outbox: dead\t%d\t\n", st.Dead)
+	fmt.Fprintf(tw, "receipts applied at destination\t%d\t\n", receiptsApplied)
 	tw.Flush()
 	fmt.Println("(an attempt that outlived its StartToClose timeout fails when it tries to commit: counted as error or effect_error, rolled back)")
 	fmt.Printf("took %s\n", took.Round(100*time.Millisecond))
@@ -296,8 +348,8 @@ func report(ctx context.Context, pool *pgxpool.Pool, reader *sdkmetric.ManualRea
 		}
 		return errors.New("invariant failed")
 	}
-	fmt.Printf("\nINVARIANT HOLDS: money conserved (%d), each of %d transfers applied exactly once (%d ledger rows), %d redelivered attempts returned the stored result\n",
-		total, completed, rows, byOutcome[string(dedupactivity.OutcomeDuplicate)])
+	fmt.Printf("\nINVARIANT HOLDS: money conserved (%d), each of %d transfers applied exactly once (%d ledger rows), %d redelivered attempts returned the stored result, each completed transfer has exactly one receipt at the destination (%d)\n",
+		total, completed, rows, byOutcome[string(dedupactivity.OutcomeDuplicate)], receiptsApplied)
 	return nil
 }
 

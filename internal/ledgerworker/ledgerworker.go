@@ -33,6 +33,7 @@ import (
 
 	"github.com/dedupactivity/dedupactivity/activities"
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
+	"github.com/dedupactivity/dedupactivity/dedupactivity/outbox"
 	"github.com/dedupactivity/dedupactivity/workflows"
 )
 
@@ -67,6 +68,13 @@ type Config struct {
 	// PruneInterval is how often the prune schedule runs (env
 	// PRUNE_INTERVAL). Defaults to 1h.
 	PruneInterval time.Duration
+	// ReceiptsURL, when set, is the base URL of the receipts service
+	// (internal/receipts; env RECEIPTS_URL): Credit then enqueues a receipt
+	// in its transaction, a relay loop delivers it, and a reconcile schedule
+	// settles what the relay cannot.
+	ReceiptsURL string
+	// Relay tunes the outbox relay (Sender and telemetry are filled in).
+	Relay outbox.RelayConfig
 	// Register, when set, registers more workflows and activities before
 	// the worker starts (tests use it).
 	Register func(r worker.Registry, d *dedupactivity.Deduper, a *activities.Activities)
@@ -81,6 +89,7 @@ func ConfigFromEnv() Config {
 		Namespace:       cmp.Or(os.Getenv("TEMPORAL_NAMESPACE"), DefaultNamespace),
 		TaskQueue:       cmp.Or(os.Getenv("TASK_QUEUE"), DefaultTaskQueue),
 		DatabaseURL:     cmp.Or(os.Getenv("DATABASE_URL"), DefaultDatabaseURL),
+		ReceiptsURL:     os.Getenv("RECEIPTS_URL"),
 	}
 }
 
@@ -172,7 +181,15 @@ type Worker struct {
 	Pool    *pgxpool.Pool
 	Deduper *dedupactivity.Deduper
 	Worker  worker.Worker
+	// Outbox and Relay are set when Config.ReceiptsURL is.
+	Outbox *outbox.Outbox
+	Relay  *outbox.Relay
+
+	stopRelay func()
 }
+
+// ReconcileScheduleID is the ID of the worker's outbox reconcile schedule.
+func ReconcileScheduleID(taskQueue string) string { return "outbox-reconcile-" + taskQueue }
 
 // Start connects to PostgreSQL and Temporal, migrates, registers the
 // workflows and wrapped activities and starts polling.
@@ -228,6 +245,17 @@ func Start(ctx context.Context, cfg Config, tel *Telemetry) (_ *Worker, err erro
 	})
 	w.RegisterWorkflowWithOptions(workflows.TransferWorkflow, workflow.RegisterOptions{Name: workflows.TransferWorkflowName})
 	acts := &activities.Activities{Pool: pool, Deduper: d}
+	var relay *outbox.Relay
+	var rc *outbox.Reconciler
+	if cfg.ReceiptsURL != "" {
+		if relay, rc, err = outboxFor(ctx, cfg, pool, tel); err != nil {
+			c.Close()
+			return nil, err
+		}
+		acts.Outbox = relay.Outbox()
+		outbox.RegisterRelay(w, relay)
+		outbox.RegisterReconciler(w, rc)
+	}
 	acts.Register(w)
 	dedupactivity.RegisterPruner(w, d)
 	for _, name := range []string{activities.DebitName, activities.CreditName} {
@@ -247,13 +275,70 @@ func Start(ctx context.Context, cfg Config, tel *Telemetry) (_ *Worker, err erro
 		c.Close()
 		return nil, err
 	}
-	return &Worker{Client: c, Pool: pool, Deduper: d, Worker: w}, nil
+	out := &Worker{Client: c, Pool: pool, Deduper: d, Worker: w, stopRelay: func() {}}
+	if relay != nil {
+		if err := outbox.EnsureReconcileSchedule(ctx, c, rc, ReconcileScheduleID(cfg.TaskQueue), cfg.TaskQueue, time.Minute); err != nil {
+			w.Stop()
+			c.Close()
+			return nil, err
+		}
+		relayCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+		done := make(chan struct{})
+		go func() { defer close(done); _ = relay.Run(relayCtx) }()
+		out.Outbox, out.Relay = relay.Outbox(), relay
+		out.stopRelay = func() { cancel(); <-done }
+	}
+	return out, nil
+}
+
+// outboxFor migrates the outbox and builds the relay and reconciler for the
+// receipts service at cfg.ReceiptsURL.
+func outboxFor(ctx context.Context, cfg Config, pool *pgxpool.Pool, tel *Telemetry) (*outbox.Relay, *outbox.Reconciler, error) {
+	ob, err := outbox.New(pool, outbox.Options{})
+	if err != nil {
+		return nil, nil, err
+	}
+	if err := ob.Migrate(ctx); err != nil {
+		return nil, nil, fmt.Errorf("migrate outbox: %w", err)
+	}
+	base := strings.TrimSuffix(cfg.ReceiptsURL, "/")
+	sender, err := outbox.NewHTTPSender(outbox.HTTPSenderConfig{
+		Endpoints: map[string]string{activities.ReceiptsDestination: base + "/receipts"},
+		Timeout:   5 * time.Second,
+	})
+	if err != nil {
+		return nil, nil, err
+	}
+	rcfg := cfg.Relay
+	rcfg.Sender = sender
+	rcfg.TracerProvider, rcfg.MeterProvider = tel.TracerProvider, tel.MeterProvider
+	rcfg.PollInterval = cmp.Or(rcfg.PollInterval, 200*time.Millisecond)
+	rcfg.MinBackoff = cmp.Or(rcfg.MinBackoff, 200*time.Millisecond)
+	rcfg.MaxBackoff = cmp.Or(rcfg.MaxBackoff, 5*time.Second)
+	rcfg.Lease = cmp.Or(rcfg.Lease, 15*time.Second)
+	relay, err := outbox.NewRelay(ob, rcfg)
+	if err != nil {
+		return nil, nil, err
+	}
+	rc, err := outbox.NewReconciler(ob, outbox.ReconcilerConfig{
+		Checker:        outbox.HTTPChecker{URL: outbox.StatusURL(map[string]string{activities.ReceiptsDestination: base + "/idempotency-keys"})},
+		UnackedAfter:   30 * time.Second,
+		TracerProvider: tel.TracerProvider,
+		MeterProvider:  tel.MeterProvider,
+	})
+	if err != nil {
+		return nil, nil, err
+	}
+	return relay, rc, nil
 }
 
 // Stop drains the worker (in-flight activities finish, up to its stop
 // timeout) and closes the client and pool.
 func (w *Worker) Stop() {
 	w.Worker.Stop()
+	if w.stopRelay != nil {
+		w.stopRelay()
+	}
 	w.Client.Close()
 	w.Pool.Close()
 }

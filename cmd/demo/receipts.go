@@ -1,0 +1,105 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"net/url"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/dedupactivity/dedupactivity/internal/pgtest"
+)
+
+// receiptsService is the receipts service running as its own process, with
+// its own database on the demo's PostgreSQL server.
+type receiptsService struct {
+	URL  string
+	Pool *pgxpool.Pool // the receipts database, for the final check
+	cmd  *exec.Cmd
+	dir  string
+}
+
+// startReceipts creates the receipts database, builds cmd/receipts and runs
+// it on a free loopback port.
+func startReceipts(ctx context.Context, dbURL string) (*receiptsService, error) {
+	u, err := url.Parse(dbURL)
+	if err != nil {
+		return nil, fmt.Errorf("parse database URL: %w", err)
+	}
+	conn, err := pgx.Connect(ctx, dbURL)
+	if err != nil {
+		return nil, err
+	}
+	name := "receipts_" + randomHex()
+	_, err = conn.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{name}.Sanitize())
+	conn.Close(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("create receipts database: %w", err)
+	}
+	u.Path = "/" + name
+	rURL := u.String()
+
+	dir, err := os.MkdirTemp("", "demo-receipts-")
+	if err != nil {
+		return nil, err
+	}
+	bin := filepath.Join(dir, "receipts")
+	if out, err := exec.CommandContext(ctx, "go", "build", "-o", bin, "github.com/dedupactivity/dedupactivity/cmd/receipts").CombinedOutput(); err != nil {
+		return nil, fmt.Errorf("build cmd/receipts: %w\n%s", err, out)
+	}
+	port, err := pgtest.FreePort()
+	if err != nil {
+		return nil, err
+	}
+	addr := "127.0.0.1:" + strconv.Itoa(port)
+	cmd := exec.Command(bin, "-addr", addr)
+	cmd.Env = append(os.Environ(), "DATABASE_URL="+rURL)
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start receipts service: %w", err)
+	}
+	s := &receiptsService{URL: "http://" + addr, cmd: cmd, dir: dir}
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		resp, err := http.Get(s.URL + "/idempotency-keys/probe")
+		if err == nil {
+			resp.Body.Close()
+			break
+		}
+		if time.Now().After(deadline) {
+			s.Stop()
+			return nil, errors.New("receipts service did not answer within 30s")
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if s.Pool, err = pgxpool.New(ctx, rURL); err != nil {
+		s.Stop()
+		return nil, err
+	}
+	return s, nil
+}
+
+// Stop ends the process and removes its binary.
+func (s *receiptsService) Stop() {
+	if s.Pool != nil {
+		s.Pool.Close()
+	}
+	_ = s.cmd.Process.Signal(os.Interrupt)
+	done := make(chan struct{})
+	go func() { _ = s.cmd.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		_ = s.cmd.Process.Kill()
+		<-done
+	}
+	_ = os.RemoveAll(s.dir)
+}

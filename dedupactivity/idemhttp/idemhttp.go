@@ -1,0 +1,346 @@
+// Package idemhttp deduplicates HTTP requests by their Idempotency-Key
+// header, for services that receive effects from an outbox (or any client
+// that retries). It is built on dedupactivity's claim: the handler's
+// database writes and the key's marker commit in one PostgreSQL
+// transaction, so a request is applied once per key however often it
+// arrives.
+//
+// The behaviour follows Stripe's idempotent requests:
+//
+//   - The first request with a key runs the handler inside a transaction
+//     (Tx gives it the pgx.Tx). A response below 500 commits the handler's
+//     writes and is stored: status, the headers named in
+//     Options.ReplayHeaders, and the body.
+//   - A later request with the same key and the same method, path and body
+//     gets the stored response without running the handler, with the header
+//     Idempotent-Replayed: true.
+//   - The same key with a different method, path or body gets 422
+//     Unprocessable Entity; nothing runs.
+//   - While the first request with a key is still running, a second one
+//     waits for it, at most Options.InFlightWait (default 1s): if the first
+//     finishes in time, the second gets its stored response; otherwise 409
+//     Conflict with Retry-After, and the client retries later.
+//   - A response of 500 or more rolls the handler's writes back and is not
+//     stored: the next request with the key runs the handler again.
+//   - A request without a key is passed to the handler without a
+//     transaction (Tx returns false), or refused with 400 when
+//     Options.RequireKey is set.
+//
+// Keys are kept as long as the markers' retention (dedupactivity
+// Options.Retention, default 30 days); Deduper.Prune removes them.
+//
+// Middleware.Applied and Middleware.StatusHandler answer "did you apply key
+// K?" for an outbox Reconciler.
+package idemhttp
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/dedupactivity/dedupactivity/dedupactivity"
+)
+
+// Defaults of Options.
+const (
+	DefaultKeyHeader    = "Idempotency-Key"
+	DefaultScope        = "http"
+	DefaultInFlightWait = time.Second
+	DefaultMaxBodyBytes = 1 << 20
+	// MaxKeyLength is the longest key accepted (Stripe's limit).
+	MaxKeyLength = 255
+)
+
+// ReplayedHeader is set to "true" on responses replayed from storage.
+const ReplayedHeader = "Idempotent-Replayed"
+
+// Namespace is the identity namespace of every key (the Scope is the
+// identity's activity type), so keys never collide with activity markers
+// in a shared table.
+const Namespace = "idemhttp"
+
+// Options configure a Middleware. The zero value is valid.
+type Options struct {
+	// Dedup configures the Deduper that stores the keys' markers.
+	// Dedup.ClaimWait is the in-flight wait (see InFlightWait).
+	Dedup dedupactivity.Options
+
+	// InFlightWait bounds how long a request waits for a request with the
+	// same key that is still running, before it gets 409. It sets
+	// Dedup.ClaimWait.
+	//
+	// Defaults to DefaultInFlightWait (1s).
+	InFlightWait time.Duration
+
+	// Scope separates key spaces: two Middlewares with different scopes on
+	// one table never see each other's keys.
+	//
+	// Defaults to DefaultScope ("http").
+	Scope string
+
+	// KeyHeader is the request header carrying the key.
+	//
+	// Defaults to DefaultKeyHeader ("Idempotency-Key").
+	KeyHeader string
+
+	// RequireKey refuses requests without a key with 400 Bad Request.
+	//
+	// Defaults to false: they pass through without a transaction.
+	RequireKey bool
+
+	// MaxBodyBytes is the largest request body accepted (413 above it).
+	//
+	// Defaults to DefaultMaxBodyBytes (1 MiB).
+	MaxBodyBytes int64
+
+	// ReplayHeaders are the response headers stored and replayed.
+	//
+	// Defaults to Content-Type, Location and ETag.
+	ReplayHeaders []string
+}
+
+// Middleware deduplicates requests by key. Build it with New.
+type Middleware struct {
+	pool *pgxpool.Pool
+	d    *dedupactivity.Deduper
+	opts Options
+	// markerTable is the quoted, qualified marker table.
+	markerTable string
+}
+
+// New returns a Middleware storing its keys through pool. opts is checked;
+// an error wraps dedupactivity.ErrInvalidOptions and names the field.
+func New(pool *pgxpool.Pool, opts Options) (*Middleware, error) {
+	if opts.InFlightWait == 0 {
+		opts.InFlightWait = DefaultInFlightWait
+	}
+	if opts.Scope == "" {
+		opts.Scope = DefaultScope
+	}
+	if opts.KeyHeader == "" {
+		opts.KeyHeader = DefaultKeyHeader
+	}
+	if opts.MaxBodyBytes == 0 {
+		opts.MaxBodyBytes = DefaultMaxBodyBytes
+	}
+	if opts.ReplayHeaders == nil {
+		opts.ReplayHeaders = []string{"Content-Type", "Location", "ETag"}
+	}
+	if opts.MaxBodyBytes < 0 {
+		return nil, fmt.Errorf("%w: MaxBodyBytes must not be negative, got %d", dedupactivity.ErrInvalidOptions, opts.MaxBodyBytes)
+	}
+	opts.Dedup.ClaimWait = opts.InFlightWait
+	d, err := dedupactivity.New(pool, opts.Dedup)
+	if err != nil {
+		return nil, err
+	}
+	o := d.Options()
+	table := pgx.Identifier{o.Table}
+	if o.Schema != "" {
+		table = pgx.Identifier{o.Schema, o.Table}
+	}
+	return &Middleware{pool: pool, d: d, opts: opts, markerTable: table.Sanitize()}, nil
+}
+
+// Deduper returns the Deduper holding the keys (for Migrate and Prune).
+func (m *Middleware) Deduper() *dedupactivity.Deduper { return m.d }
+
+// Migrate creates the marker table (see dedupactivity.Deduper.Migrate).
+func (m *Middleware) Migrate(ctx context.Context) error { return m.d.Migrate(ctx) }
+
+type txKey struct{}
+
+// Tx returns the transaction of the request being handled: the handler
+// must do its database writes through it so they commit with the key. It
+// returns false for a request without a key.
+func Tx(ctx context.Context) (pgx.Tx, bool) {
+	tx, ok := ctx.Value(txKey{}).(pgx.Tx)
+	return tx, ok
+}
+
+// request is what a key's fingerprint covers: the same key must come with
+// the same method, path and body.
+type request struct {
+	Method string
+	Path   string
+	Body   string // hex SHA-256
+}
+
+// response is a stored response.
+type response struct {
+	Status int
+	Header http.Header
+	Body   []byte
+}
+
+// serverError is a handler response of 500 or more: the transaction rolls
+// back and the response is passed on, not stored.
+type serverError struct{ rec *recorder }
+
+func (e serverError) Error() string {
+	return fmt.Sprintf("idemhttp: handler answered %d", e.rec.status)
+}
+
+func (m *Middleware) identity(key string) dedupactivity.Identity {
+	return dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, Namespace: Namespace, ActivityType: m.opts.Scope, Key: key}
+}
+
+// Handler wraps next.
+func (m *Middleware) Handler(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		key := r.Header.Get(m.opts.KeyHeader)
+		if key == "" {
+			if m.opts.RequireKey {
+				writeError(w, http.StatusBadRequest, "missing "+m.opts.KeyHeader+" header")
+				return
+			}
+			next.ServeHTTP(w, r)
+			return
+		}
+		if len(key) > MaxKeyLength {
+			writeError(w, http.StatusBadRequest, fmt.Sprintf("%s longer than %d bytes", m.opts.KeyHeader, MaxKeyLength))
+			return
+		}
+		body, err := io.ReadAll(io.LimitReader(r.Body, m.opts.MaxBodyBytes+1))
+		if err != nil {
+			writeError(w, http.StatusBadRequest, "reading body: "+err.Error())
+			return
+		}
+		if int64(len(body)) > m.opts.MaxBodyBytes {
+			writeError(w, http.StatusRequestEntityTooLarge, fmt.Sprintf("body larger than %d bytes", m.opts.MaxBodyBytes))
+			return
+		}
+		sum := sha256.Sum256(body)
+		in := request{Method: r.Method, Path: r.URL.RequestURI(), Body: hex.EncodeToString(sum[:])}
+
+		var first *recorder
+		resp, outcome, err := dedupactivity.Do(r.Context(), m.d, m.identity(key), in,
+			func(ctx context.Context, tx pgx.Tx, _ request) (response, error) {
+				rec := &recorder{header: http.Header{}}
+				r2 := r.WithContext(context.WithValue(ctx, txKey{}, tx))
+				r2.Body = io.NopCloser(bytes.NewReader(body))
+				r2.ContentLength = int64(len(body))
+				next.ServeHTTP(rec, r2)
+				if rec.status == 0 {
+					rec.status = http.StatusOK
+				}
+				if rec.status >= 500 {
+					return response{}, serverError{rec}
+				}
+				first = rec
+				return rec.stored(m.opts.ReplayHeaders), nil
+			})
+		var se serverError
+		switch {
+		case err == nil && outcome == dedupactivity.OutcomeClaimed:
+			writeResponse(w, first.status, first.header, first.body.Bytes())
+		case err == nil:
+			w.Header().Set(ReplayedHeader, "true")
+			writeResponse(w, resp.Status, resp.Header, resp.Body)
+		case errors.As(err, &se):
+			writeResponse(w, se.rec.status, se.rec.header, se.rec.body.Bytes())
+		case errors.Is(err, dedupactivity.ErrPayloadMismatch):
+			writeError(w, http.StatusUnprocessableEntity, "this "+m.opts.KeyHeader+" was used with a different request (method, path or body)")
+		case errors.Is(err, dedupactivity.ErrClaimTimeout):
+			w.Header().Set("Retry-After", "1")
+			writeError(w, http.StatusConflict, "a request with this "+m.opts.KeyHeader+" is still being processed; retry later")
+		default:
+			writeError(w, http.StatusInternalServerError, "idempotency store: "+err.Error())
+		}
+	})
+}
+
+// Applied says whether a request with key was applied: its handler
+// committed (and answered below 500). Before the keys' retention ends.
+func (m *Middleware) Applied(ctx context.Context, key string) (bool, error) {
+	h := m.identity(key).Hash()
+	var ok bool
+	if err := m.pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+m.markerTable+` WHERE id_hash = $1)`, h[:]).Scan(&ok); err != nil {
+		return false, fmt.Errorf("idemhttp: applied: %w", err)
+	}
+	return ok, nil
+}
+
+// StatusHandler answers "did you apply key K?": GET with the key as the
+// path value "key" (a route such as "GET /idempotency-keys/{key}") or the
+// query parameter "key". It answers 200 {"applied":true} when applied, 404
+// {"applied":false} when not, 500 when it cannot tell. outbox.HTTPChecker
+// reads it.
+func (m *Middleware) StatusHandler() http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		key := r.PathValue("key")
+		if key == "" {
+			key = r.URL.Query().Get("key")
+		}
+		if key == "" {
+			writeError(w, http.StatusBadRequest, "no key")
+			return
+		}
+		applied, err := m.Applied(r.Context(), key)
+		if err != nil {
+			writeError(w, http.StatusInternalServerError, err.Error())
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		if !applied {
+			w.WriteHeader(http.StatusNotFound)
+		}
+		_ = json.NewEncoder(w).Encode(map[string]bool{"applied": applied})
+	})
+}
+
+func writeError(w http.ResponseWriter, status int, msg string) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_ = json.NewEncoder(w).Encode(map[string]string{"error": msg})
+}
+
+// recorder buffers the handler's response.
+type recorder struct {
+	header http.Header
+	status int
+	body   bytes.Buffer
+}
+
+func (r *recorder) Header() http.Header { return r.header }
+
+func (r *recorder) WriteHeader(status int) {
+	if r.status == 0 {
+		r.status = status
+	}
+}
+
+func (r *recorder) Write(b []byte) (int, error) {
+	if r.status == 0 {
+		r.status = http.StatusOK
+	}
+	return r.body.Write(b)
+}
+
+func (r *recorder) stored(names []string) response {
+	h := http.Header{}
+	for _, n := range names {
+		if v := r.header.Values(n); len(v) > 0 {
+			h[http.CanonicalHeaderKey(n)] = v
+		}
+	}
+	return response{Status: r.status, Header: h, Body: r.body.Bytes()}
+}
+
+func writeResponse(w http.ResponseWriter, status int, h http.Header, body []byte) {
+	for k, v := range h {
+		w.Header()[k] = v
+	}
+	w.WriteHeader(status)
+	_, _ = w.Write(body)
+}

@@ -1,0 +1,296 @@
+package idemhttp_test
+
+import (
+	"context"
+	"encoding/json"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/dedupactivity/dedupactivity/dedupactivity"
+	"github.com/dedupactivity/dedupactivity/dedupactivity/idemhttp"
+	"github.com/dedupactivity/dedupactivity/internal/pgtest"
+)
+
+func TestMain(m *testing.M) { pgtest.Main(m) }
+
+type testBundle struct {
+	schema *pgtest.Schema
+	m      *idemhttp.Middleware
+	srv    *httptest.Server
+	runs   atomic.Int64 // handler runs
+	// gate, when non-nil, holds the handler until closed.
+	gate    chan struct{}
+	entered chan struct{}
+	status  atomic.Int64 // status the handler answers; 0 = 201
+}
+
+// setup serves POST /receipts: the handler inserts a receipt row through
+// the request's transaction and answers 201 with a Location.
+func setup(t *testing.T, opts idemhttp.Options) *testBundle {
+	t.Helper()
+	s := pgtest.NewSchema(t)
+	ctx := context.Background()
+	m, err := idemhttp.New(s.Pool, opts)
+	require.NoError(t, err)
+	require.NoError(t, m.Migrate(ctx))
+	_, err = s.Pool.Exec(ctx, `CREATE TABLE receipt (id bigserial PRIMARY KEY, body text NOT NULL)`)
+	require.NoError(t, err)
+	b := &testBundle{schema: s, m: m, entered: make(chan struct{}, 16)}
+	mux := http.NewServeMux()
+	mux.Handle("POST /receipts", m.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b.runs.Add(1)
+		body, _ := io.ReadAll(r.Body)
+		tx, ok := idemhttp.Tx(r.Context())
+		if !ok {
+			w.WriteHeader(http.StatusAccepted) // no key: nothing stored
+			return
+		}
+		var id int64
+		if err := tx.QueryRow(r.Context(), `INSERT INTO receipt (body) VALUES ($1) RETURNING id`, string(body)).Scan(&id); err != nil {
+			http.Error(w, err.Error(), http.StatusInternalServerError)
+			return
+		}
+		b.entered <- struct{}{}
+		if b.gate != nil {
+			<-b.gate
+		}
+		status := int(b.status.Load())
+		if status == 0 {
+			status = http.StatusCreated
+		}
+		w.Header().Set("Location", "/receipts/"+itoa(id))
+		w.Header().Set("Content-Type", "application/json")
+		w.Header().Set("X-Not-Replayed", "1")
+		w.WriteHeader(status)
+		_ = json.NewEncoder(w).Encode(map[string]int64{"id": id})
+	})))
+	mux.Handle("GET /idempotency-keys/{key}", m.StatusHandler())
+	b.srv = httptest.NewServer(mux)
+	t.Cleanup(b.srv.Close)
+	return b
+}
+
+func itoa(n int64) string { return strconv.FormatInt(n, 10) }
+
+type reply struct {
+	status int
+	header http.Header
+	body   string
+}
+
+func (b *testBundle) post(t *testing.T, path, key, body string) reply {
+	t.Helper()
+	req, err := http.NewRequest(http.MethodPost, b.srv.URL+path, strings.NewReader(body))
+	require.NoError(t, err)
+	if key != "" {
+		req.Header.Set("Idempotency-Key", key)
+	}
+	resp, err := b.srv.Client().Do(req)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	got, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	return reply{resp.StatusCode, resp.Header, string(got)}
+}
+
+func (b *testBundle) receipts(t *testing.T) int {
+	t.Helper()
+	var n int
+	require.NoError(t, b.schema.Pool.QueryRow(context.Background(), `SELECT count(*) FROM receipt`).Scan(&n))
+	return n
+}
+
+func TestFirstRequestCommitsAndReplayReturnsStoredResponse(t *testing.T) {
+	t.Parallel()
+	b := setup(t, idemhttp.Options{})
+	first := b.post(t, "/receipts", "k1", `{"amount":5}`)
+	require.Equal(t, http.StatusCreated, first.status)
+	require.NotEmpty(t, first.header.Get("Location"))
+	require.Equal(t, "1", first.header.Get("X-Not-Replayed"), "the first response carries every header")
+	require.Empty(t, first.header.Get(idemhttp.ReplayedHeader))
+	require.Equal(t, 1, b.receipts(t))
+
+	for range 3 {
+		again := b.post(t, "/receipts", "k1", `{"amount":5}`)
+		require.Equal(t, first.status, again.status)
+		require.Equal(t, first.body, again.body)
+		require.Equal(t, first.header.Get("Location"), again.header.Get("Location"))
+		require.Equal(t, "application/json", again.header.Get("Content-Type"))
+		require.Empty(t, again.header.Get("X-Not-Replayed"), "only ReplayHeaders are stored")
+		require.Equal(t, "true", again.header.Get(idemhttp.ReplayedHeader))
+	}
+	require.Equal(t, 1, b.receipts(t), "applied once")
+	require.Equal(t, int64(1), b.runs.Load())
+
+	other := b.post(t, "/receipts", "k2", `{"amount":5}`)
+	require.Equal(t, http.StatusCreated, other.status)
+	require.Equal(t, 2, b.receipts(t), "another key is another request")
+}
+
+func TestSameKeyDifferentRequestIs422(t *testing.T) {
+	t.Parallel()
+	b := setup(t, idemhttp.Options{})
+	require.Equal(t, http.StatusCreated, b.post(t, "/receipts", "k1", `{"amount":5}`).status)
+	r := b.post(t, "/receipts", "k1", `{"amount":6}`)
+	require.Equal(t, http.StatusUnprocessableEntity, r.status)
+	require.Contains(t, r.body, "different request")
+	r = b.post(t, "/receipts?x=1", "k1", `{"amount":5}`)
+	require.Equal(t, http.StatusUnprocessableEntity, r.status, "the path is part of the request")
+	require.Equal(t, 1, b.receipts(t))
+	require.Equal(t, int64(1), b.runs.Load())
+}
+
+func TestInFlightRequestGets409AfterBoundedWait(t *testing.T) {
+	t.Parallel()
+	b := setup(t, idemhttp.Options{InFlightWait: 200 * time.Millisecond})
+	b.gate = make(chan struct{})
+	firstDone := make(chan reply)
+	go func() { firstDone <- b.post(t, "/receipts", "k1", `{}`) }()
+	<-b.entered // the first request holds the key
+
+	second := b.post(t, "/receipts", "k1", `{}`)
+	require.Equal(t, http.StatusConflict, second.status)
+	require.Equal(t, "1", second.header.Get("Retry-After"))
+
+	close(b.gate)
+	first := <-firstDone
+	require.Equal(t, http.StatusCreated, first.status)
+	third := b.post(t, "/receipts", "k1", `{}`)
+	require.Equal(t, first.body, third.body)
+	require.Equal(t, "true", third.header.Get(idemhttp.ReplayedHeader))
+	require.Equal(t, 1, b.receipts(t))
+}
+
+func TestInFlightRequestGetsReplayWhenFirstEndsWithinWait(t *testing.T) {
+	t.Parallel()
+	b := setup(t, idemhttp.Options{InFlightWait: 10 * time.Second})
+	b.gate = make(chan struct{})
+	firstDone := make(chan reply)
+	go func() { firstDone <- b.post(t, "/receipts", "k1", `{}`) }()
+	<-b.entered
+	secondDone := make(chan reply)
+	go func() { secondDone <- b.post(t, "/receipts", "k1", `{}`) }()
+	time.Sleep(100 * time.Millisecond) // let the second request reach the wait (correct without it too)
+	close(b.gate)
+	first, second := <-firstDone, <-secondDone
+	require.Equal(t, http.StatusCreated, first.status)
+	require.Equal(t, http.StatusCreated, second.status)
+	require.Equal(t, first.body, second.body)
+	require.Equal(t, 1, b.receipts(t))
+}
+
+func TestConcurrentSameKeyAppliesOnce(t *testing.T) {
+	t.Parallel()
+	b := setup(t, idemhttp.Options{InFlightWait: 5 * time.Second})
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	bodies := map[string]int{}
+	for range 8 {
+		wg.Go(func() {
+			r := b.post(t, "/receipts", "same", `{"amount":1}`)
+			mu.Lock()
+			defer mu.Unlock()
+			bodies[itoa(int64(r.status))+" "+r.body]++
+		})
+	}
+	wg.Wait()
+	require.Len(t, bodies, 1, "every request got the same response: %v", bodies)
+	require.Equal(t, 1, b.receipts(t))
+}
+
+func TestServerErrorRollsBackAndIsNotStored(t *testing.T) {
+	t.Parallel()
+	b := setup(t, idemhttp.Options{})
+	b.status.Store(http.StatusServiceUnavailable)
+	r := b.post(t, "/receipts", "k1", `{}`)
+	require.Equal(t, http.StatusServiceUnavailable, r.status, "passed on")
+	require.Zero(t, b.receipts(t), "the handler's insert rolled back")
+	applied, err := b.m.Applied(context.Background(), "k1")
+	require.NoError(t, err)
+	require.False(t, applied)
+
+	b.status.Store(0)
+	r = b.post(t, "/receipts", "k1", `{}`)
+	require.Equal(t, http.StatusCreated, r.status, "the retry runs the handler again")
+	require.Empty(t, r.header.Get(idemhttp.ReplayedHeader))
+	require.Equal(t, 1, b.receipts(t))
+}
+
+func TestClientErrorIsStored(t *testing.T) {
+	t.Parallel()
+	b := setup(t, idemhttp.Options{})
+	b.status.Store(http.StatusBadRequest)
+	require.Equal(t, http.StatusBadRequest, b.post(t, "/receipts", "k1", `{}`).status)
+	b.status.Store(0)
+	r := b.post(t, "/receipts", "k1", `{}`)
+	require.Equal(t, http.StatusBadRequest, r.status, "a 4xx is the request's result, replayed")
+	require.Equal(t, "true", r.header.Get(idemhttp.ReplayedHeader))
+	require.Equal(t, int64(1), b.runs.Load())
+}
+
+func TestMissingKey(t *testing.T) {
+	t.Parallel()
+	pass := setup(t, idemhttp.Options{})
+	r := pass.post(t, "/receipts", "", `{}`)
+	require.Equal(t, http.StatusAccepted, r.status, "passed through without a transaction")
+	require.Equal(t, int64(1), pass.runs.Load())
+
+	strict := setup(t, idemhttp.Options{RequireKey: true})
+	r = strict.post(t, "/receipts", "", `{}`)
+	require.Equal(t, http.StatusBadRequest, r.status)
+	require.Contains(t, r.body, "Idempotency-Key")
+	require.Zero(t, strict.runs.Load())
+}
+
+func TestLimits(t *testing.T) {
+	t.Parallel()
+	b := setup(t, idemhttp.Options{MaxBodyBytes: 10})
+	require.Equal(t, http.StatusRequestEntityTooLarge, b.post(t, "/receipts", "k", strings.Repeat("x", 11)).status)
+	require.Equal(t, http.StatusBadRequest, b.post(t, "/receipts", strings.Repeat("k", 256), `{}`).status)
+	require.Zero(t, b.runs.Load())
+}
+
+func TestStatusHandlerAnswersApplied(t *testing.T) {
+	t.Parallel()
+	b := setup(t, idemhttp.Options{})
+	get := func(key string) int {
+		resp, err := b.srv.Client().Get(b.srv.URL + "/idempotency-keys/" + key)
+		require.NoError(t, err)
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	require.Equal(t, http.StatusNotFound, get("k1"))
+	require.Equal(t, http.StatusCreated, b.post(t, "/receipts", "k1", `{}`).status)
+	require.Equal(t, http.StatusOK, get("k1"))
+	require.Equal(t, http.StatusNotFound, get("k2"))
+}
+
+func TestScopesSeparateKeys(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t)
+	a, err := idemhttp.New(s.Pool, idemhttp.Options{Scope: "a"})
+	require.NoError(t, err)
+	require.NoError(t, a.Migrate(context.Background()))
+	bm, err := idemhttp.New(s.Pool, idemhttp.Options{Scope: "b"})
+	require.NoError(t, err)
+	h := func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusCreated) }
+	for _, m := range []*idemhttp.Middleware{a, bm} {
+		rec := httptest.NewRecorder()
+		req := httptest.NewRequest(http.MethodPost, "/x", strings.NewReader("{}"))
+		req.Header.Set("Idempotency-Key", "k")
+		m.Handler(http.HandlerFunc(h)).ServeHTTP(rec, req)
+		require.Equal(t, http.StatusCreated, rec.Code)
+		require.Empty(t, rec.Header().Get(idemhttp.ReplayedHeader), "not a replay in the other scope")
+	}
+	_, err = idemhttp.New(s.Pool, idemhttp.Options{Dedup: dedupactivity.Options{Table: "Bad"}})
+	require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions)
+}

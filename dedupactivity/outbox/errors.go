@@ -1,0 +1,38 @@
+package outbox
+
+import "errors"
+
+// Sentinel errors. Errors returned by this package with one of these causes
+// match it with errors.Is.
+var (
+	// ErrInvalidConfig is returned (wrapped, naming the field) by New,
+	// NewRelay, NewHTTPSender and NewReconciler for invalid options.
+	ErrInvalidConfig = errors.New("outbox: invalid configuration")
+
+	// ErrInvalidMessage is returned by Enqueue for a message it cannot
+	// store: no destination, a bad name, a payload that does not encode.
+	ErrInvalidMessage = errors.New("outbox: invalid message")
+
+	// ErrNoEventKey is returned by Enqueue called outside an EffectFunc (no
+	// event in the context) for a message without an explicit Key.
+	ErrNoEventKey = errors.New("outbox: no event in context: enqueue inside an EffectFunc or set Message.Key")
+
+	// ErrDuplicateKey is returned by Enqueue when a message with the same
+	// idempotency key is already stored: an explicit Key reused, or an
+	// enqueue outside a claimed effect that already committed.
+	ErrDuplicateKey = errors.New("outbox: idempotency key already enqueued")
+
+	// ErrNotMigrated is returned when the outbox table does not exist: run
+	// Outbox.Migrate first.
+	ErrNotMigrated = errors.New("outbox: outbox table missing (run Migrate)")
+
+	// ErrPermanent marks a send error that retrying cannot fix (an HTTP 4xx
+	// other than 408, 409, 425 and 429, a destination the Sender does not
+	// know). The relay moves the message to StateDead at once. Senders wrap
+	// it: fmt.Errorf("%w: ...", outbox.ErrPermanent).
+	ErrPermanent = errors.New("outbox: permanent delivery failure")
+
+	// ErrUnknownDestination is returned (wrapping ErrPermanent) by
+	// HTTPSender for a destination it has no URL for.
+	ErrUnknownDestination = errors.New("outbox: unknown destination")
+)

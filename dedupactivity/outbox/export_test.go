@@ -1,0 +1,6 @@
+package outbox
+
+// SetAfterSendHook installs a hook that runs after a successful send and
+// before its acknowledgement; an error stops the pass there, as if the relay
+// process had died.
+func SetAfterSendHook(r *Relay, hook func(Delivery) error) { r.afterSend = hook }

@@ -1,0 +1,375 @@
+package outbox
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"io/fs"
+	"regexp"
+	"sort"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/dedupactivity/dedupactivity/dedupactivity"
+	"github.com/dedupactivity/dedupactivity/migrations/outbox"
+)
+
+// DefaultTable is the outbox table's name.
+const DefaultTable = outbox.TableToken
+
+// DefaultRetention is how long sent and applied messages are kept at least
+// (as the markers': 30 days).
+const DefaultRetention = dedupactivity.DefaultRetention
+
+// Options configure an Outbox. The zero value is valid.
+type Options struct {
+	// Schema holds the outbox table, a plain lower-case identifier.
+	//
+	// Defaults to "": the table is found through the search_path.
+	Schema string
+
+	// Table is the outbox table's name, a plain lower-case identifier of at
+	// most 40 bytes.
+	//
+	// Defaults to DefaultTable ("dedup_outbox").
+	Table string
+
+	// Retention is how long Prune keeps sent and applied messages after
+	// they settled. Dead messages are never pruned: the reconciler or a
+	// person settles them first.
+	//
+	// Defaults to DefaultRetention (30 days).
+	Retention time.Duration
+}
+
+var identRE = regexp.MustCompile(`^[a-z_][a-z0-9_]*$`)
+
+func (o Options) withDefaults() Options {
+	if o.Table == "" {
+		o.Table = DefaultTable
+	}
+	if o.Retention == 0 {
+		o.Retention = DefaultRetention
+	}
+	return o
+}
+
+func (o Options) validate() error {
+	if o.Schema != "" && (len(o.Schema) > 63 || !identRE.MatchString(o.Schema)) {
+		return fmt.Errorf("%w: Schema %q must match [a-z_][a-z0-9_]* and be at most 63 bytes", ErrInvalidConfig, o.Schema)
+	}
+	if len(o.Table) > 40 || !identRE.MatchString(o.Table) {
+		return fmt.Errorf("%w: Table %q must match [a-z_][a-z0-9_]* and be at most 40 bytes", ErrInvalidConfig, o.Table)
+	}
+	if o.Retention < time.Minute {
+		return fmt.Errorf("%w: Retention must be at least 1m, got %s", ErrInvalidConfig, o.Retention)
+	}
+	return nil
+}
+
+// Outbox is a transactional outbox table: messages enqueued through an
+// effect's pgx.Tx commit exactly when the effect does. It is safe for
+// concurrent use.
+type Outbox struct {
+	pool  *pgxpool.Pool
+	opts  Options
+	table string // qualified and quoted
+}
+
+// New returns an Outbox on pool. opts is checked; an error names the field
+// at fault and wraps ErrInvalidConfig.
+func New(pool *pgxpool.Pool, opts Options) (*Outbox, error) {
+	if pool == nil {
+		return nil, fmt.Errorf("%w: pool is nil", ErrInvalidConfig)
+	}
+	opts = opts.withDefaults()
+	if err := opts.validate(); err != nil {
+		return nil, err
+	}
+	ob := &Outbox{pool: pool, opts: opts}
+	ob.table = pgx.Identifier{opts.Table}.Sanitize()
+	if opts.Schema != "" {
+		ob.table = pgx.Identifier{opts.Schema, opts.Table}.Sanitize()
+	}
+	return ob, nil
+}
+
+// Options returns the outbox's options with defaults filled in.
+func (ob *Outbox) Options() Options { return ob.opts }
+
+// Message is one message to deliver to a destination.
+type Message struct {
+	// Destination names where the message goes; the Sender maps it to an
+	// address (HTTPSender: a URL). Required.
+	Destination string
+
+	// Name tells this message apart from the effect's other messages, and
+	// is part of its idempotency key: use a name that says what the message
+	// is ("receipt", "welcome-email"), the same on every attempt. Letters,
+	// digits, '.', '_' and '-', at most 100 bytes.
+	//
+	// Defaults to Destination.
+	Name string
+
+	// Payload is encoded as JSON (a json.RawMessage or []byte-holding
+	// json.RawMessage is sent as it is).
+	Payload any
+
+	// Headers are sent with the message (HTTPSender: as HTTP headers).
+	Headers map[string]string
+
+	// Key, when set, is the message's idempotency key as it is, instead of
+	// one derived from the event. Use it only outside an EffectFunc: the
+	// derived key is what makes retries of an effect produce the same key.
+	Key string
+}
+
+var nameRE = regexp.MustCompile(`^[A-Za-z0-9._-]{1,100}$`)
+
+// Enqueue writes msg to the outbox through tx, the EffectFunc's
+// transaction, so it commits exactly once with the effect and its marker and
+// vanishes if they roll back. It returns the message's idempotency key.
+//
+// The key is derived from the event being applied
+// (dedupactivity.IdempotencyKey(ctx)), the message's Name and its position
+// among the effect's messages of that name: "<event key>:<name>:<n>", n
+// counting from 0. Every attempt and redelivery of one event derives the
+// same keys, and two events never share one. Outside an EffectFunc (no event
+// in ctx) Enqueue needs msg.Key, else it fails with ErrNoEventKey.
+func (ob *Outbox) Enqueue(ctx context.Context, tx pgx.Tx, msg Message) (string, error) {
+	if tx == nil {
+		return "", fmt.Errorf("%w: tx is nil", ErrInvalidMessage)
+	}
+	if msg.Destination == "" {
+		return "", fmt.Errorf("%w: Destination is empty", ErrInvalidMessage)
+	}
+	if msg.Name == "" {
+		msg.Name = msg.Destination
+	}
+	if !nameRE.MatchString(msg.Name) {
+		return "", fmt.Errorf("%w: Name %q must match [A-Za-z0-9._-]{1,100}", ErrInvalidMessage, msg.Name)
+	}
+	payload, err := encodePayload(msg.Payload)
+	if err != nil {
+		return "", err
+	}
+	headers := msg.Headers
+	if headers == nil {
+		headers = map[string]string{}
+	}
+	var key string
+	if msg.Key != "" {
+		err = tx.QueryRow(ctx, `INSERT INTO `+ob.table+` (idempotency_key, event_key, destination, name, headers, payload)
+VALUES ($1, '', $2, $3, $4, $5) RETURNING idempotency_key`,
+			msg.Key, msg.Destination, msg.Name, headers, payload).Scan(&key)
+	} else {
+		eventKey, ok := dedupactivity.IdempotencyKey(ctx)
+		if !ok {
+			return "", ErrNoEventKey
+		}
+		// Earlier messages of this event with this name are visible to the
+		// statement: they were written by this transaction (the event's
+		// claim lets no other transaction write them).
+		err = tx.QueryRow(ctx, `INSERT INTO `+ob.table+` (idempotency_key, event_key, destination, name, headers, payload)
+SELECT $1 || ':' || $3 || ':' || n, $1, $2, $3, $4, $5
+FROM (SELECT count(*) AS n FROM `+ob.table+` WHERE event_key = $1 AND name = $3) c
+RETURNING idempotency_key`,
+			eventKey, msg.Destination, msg.Name, headers, payload).Scan(&key)
+	}
+	if err != nil {
+		return "", fmt.Errorf("outbox: enqueue: %w", translate(err))
+	}
+	return key, nil
+}
+
+func encodePayload(p any) ([]byte, error) {
+	switch v := p.(type) {
+	case json.RawMessage:
+		if !json.Valid(v) {
+			return nil, fmt.Errorf("%w: Payload is not valid JSON", ErrInvalidMessage)
+		}
+		return v, nil
+	case nil:
+		return []byte("null"), nil
+	}
+	b, err := json.Marshal(p)
+	if err != nil {
+		return nil, fmt.Errorf("%w: encode Payload: %w", ErrInvalidMessage, err)
+	}
+	return b, nil
+}
+
+// translate turns PostgreSQL errors this package knows into its own.
+func translate(err error) error {
+	var pgErr interface{ SQLState() string }
+	if errors.As(err, &pgErr) {
+		switch pgErr.SQLState() {
+		case "42P01": // undefined_table
+			return fmt.Errorf("%w: %w", ErrNotMigrated, err)
+		case "23505": // unique_violation
+			return fmt.Errorf("%w: %w", ErrDuplicateKey, err)
+		}
+	}
+	return err
+}
+
+// State is a message's delivery state.
+type State string
+
+// Message states.
+const (
+	// StatePending: waiting for its next attempt.
+	StatePending State = "pending"
+	// StateSending: leased by a relay that is sending it. A lease that
+	// expires (the relay died between send and acknowledgement) makes it
+	// due again.
+	StateSending State = "sending"
+	// StateSent: the destination acknowledged it.
+	StateSent State = "sent"
+	// StateApplied: the reconciler found it applied at the destination.
+	StateApplied State = "applied"
+	// StateDead: it failed permanently or MaxAttempts times; LastError says
+	// why. The reconciler may re-queue it.
+	StateDead State = "dead"
+)
+
+// Stats counts the outbox's messages.
+type Stats struct {
+	Pending, Sending, Sent, Applied, Dead int64
+	// Resends is the number of sends beyond each message's first.
+	Resends int64
+	// OldestPendingAge is the age of the oldest pending or sending message
+	// (0 when there is none).
+	OldestPendingAge time.Duration
+}
+
+// Enqueued is the number of messages in the outbox.
+func (s Stats) Enqueued() int64 { return s.Pending + s.Sending + s.Sent + s.Applied + s.Dead }
+
+// Stats counts the messages by state, in one query.
+func (ob *Outbox) Stats(ctx context.Context) (Stats, error) {
+	var s Stats
+	var age float64
+	err := ob.pool.QueryRow(ctx, `SELECT
+	count(*) FILTER (WHERE state = 'pending'), count(*) FILTER (WHERE state = 'sending'),
+	count(*) FILTER (WHERE state = 'sent'), count(*) FILTER (WHERE state = 'applied'),
+	count(*) FILTER (WHERE state = 'dead'),
+	coalesce(sum(greatest(attempts - 1, 0)), 0),
+	coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE state IN ('pending', 'sending'))), 0)::float8
+FROM `+ob.table).Scan(&s.Pending, &s.Sending, &s.Sent, &s.Applied, &s.Dead, &s.Resends, &age)
+	if err != nil {
+		return s, fmt.Errorf("outbox: stats: %w", translate(err))
+	}
+	s.OldestPendingAge = time.Duration(age * float64(time.Second))
+	return s, nil
+}
+
+// PruneBatchSize is how many messages one Prune statement deletes.
+const PruneBatchSize = 1000
+
+// Prune deletes sent and applied messages that settled more than
+// Options.Retention ago, in batches of PruneBatchSize (each its own short
+// transaction, skipping rows locked by others). Pending, sending and dead
+// messages are kept. It returns how many it deleted.
+func (ob *Outbox) Prune(ctx context.Context) (int64, error) {
+	var deleted int64
+	for {
+		tag, err := ob.pool.Exec(ctx, `DELETE FROM `+ob.table+` WHERE id = ANY (ARRAY(
+	SELECT id FROM `+ob.table+` WHERE state IN ('sent', 'applied') AND settled_at < now() - make_interval(secs => $1)
+	ORDER BY settled_at LIMIT $2 FOR UPDATE SKIP LOCKED))`, ob.opts.Retention.Seconds(), PruneBatchSize)
+		if err != nil {
+			return deleted, fmt.Errorf("outbox: prune: %w", translate(err))
+		}
+		deleted += tag.RowsAffected()
+		if tag.RowsAffected() < PruneBatchSize {
+			return deleted, nil
+		}
+	}
+}
+
+var migrationFileRE = regexp.MustCompile(`^(\d{3})_([a-z0-9_]+)\.(up|down)\.sql$`)
+
+// Migrate creates or upgrades the outbox table (and its schema). It is
+// idempotent and safe to run from many processes at once: it runs in one
+// transaction holding an advisory lock keyed by the table, and records
+// applied versions in <Table>_migration.
+func (ob *Outbox) Migrate(ctx context.Context) error {
+	names, err := fs.Glob(outbox.FS, "*.up.sql")
+	if err != nil {
+		return fmt.Errorf("outbox: migrate: %w", err)
+	}
+	sort.Strings(names)
+	tx, err := ob.pool.Begin(ctx)
+	if err != nil {
+		return fmt.Errorf("outbox: migrate: begin: %w", err)
+	}
+	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // no-op after commit
+	if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1)`, ob.lockKey("migrate")); err != nil {
+		return fmt.Errorf("outbox: migrate: advisory lock: %w", err)
+	}
+	if ob.opts.Schema != "" {
+		schema := pgx.Identifier{ob.opts.Schema}.Sanitize()
+		if _, err := tx.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS `+schema); err != nil {
+			return fmt.Errorf("outbox: migrate: create schema: %w", err)
+		}
+		if _, err := tx.Exec(ctx, `SELECT set_config('search_path', $1, true)`, schema); err != nil {
+			return fmt.Errorf("outbox: migrate: search_path: %w", err)
+		}
+	}
+	versions := pgx.Identifier{ob.opts.Table + "_migration"}.Sanitize()
+	if _, err := tx.Exec(ctx, `CREATE TABLE IF NOT EXISTS `+versions+` (
+	version    integer     PRIMARY KEY,
+	name       text        NOT NULL,
+	applied_at timestamptz NOT NULL DEFAULT now())`); err != nil {
+		return fmt.Errorf("outbox: migrate: version table: %w", err)
+	}
+	rows, err := tx.Query(ctx, `SELECT version FROM `+versions)
+	if err != nil {
+		return fmt.Errorf("outbox: migrate: read versions: %w", err)
+	}
+	done, err := pgx.CollectRows(rows, pgx.RowTo[int])
+	if err != nil {
+		return fmt.Errorf("outbox: migrate: read versions: %w", err)
+	}
+	applied := map[int]bool{}
+	for _, v := range done {
+		applied[v] = true
+	}
+	for _, n := range names {
+		m := migrationFileRE.FindStringSubmatch(n)
+		if m == nil {
+			continue
+		}
+		v, _ := strconv.Atoi(m[1])
+		if applied[v] {
+			continue
+		}
+		body, err := fs.ReadFile(outbox.FS, n)
+		if err != nil {
+			return fmt.Errorf("outbox: migrate: read %s: %w", n, err)
+		}
+		sql := strings.ReplaceAll(string(body), outbox.TableToken, ob.opts.Table)
+		if _, err := tx.Exec(ctx, sql); err != nil {
+			return fmt.Errorf("outbox: migrate: apply %s: %w", n, err)
+		}
+		if _, err := tx.Exec(ctx, `INSERT INTO `+versions+` (version, name) VALUES ($1, $2)`, v, m[2]); err != nil {
+			return fmt.Errorf("outbox: migrate: record %s: %w", n, err)
+		}
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return fmt.Errorf("outbox: migrate: commit: %w", err)
+	}
+	return nil
+}
+
+func (ob *Outbox) lockKey(purpose string) int64 {
+	h := fnv.New64a()
+	h.Write([]byte("dedupactivity.outbox." + purpose + ":" + ob.table))
+	return int64(h.Sum64())
+}

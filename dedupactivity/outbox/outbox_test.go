@@ -1,0 +1,320 @@
+package outbox_test
+
+import (
+	"context"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/dedupactivity/dedupactivity/dedupactivity"
+	"github.com/dedupactivity/dedupactivity/dedupactivity/outbox"
+	"github.com/dedupactivity/dedupactivity/internal/pgtest"
+)
+
+func TestMain(m *testing.M) {
+	pgtest.Main(m)
+}
+
+type testBundle struct {
+	schema *pgtest.Schema
+	d      *dedupactivity.Deduper
+	ob     *outbox.Outbox
+}
+
+func setup(t *testing.T) *testBundle {
+	t.Helper()
+	s := pgtest.NewSchema(t)
+	ctx := context.Background()
+	d, err := dedupactivity.New(s.Pool, dedupactivity.Options{})
+	require.NoError(t, err)
+	require.NoError(t, d.Migrate(ctx))
+	ob, err := outbox.New(s.Pool, outbox.Options{})
+	require.NoError(t, err)
+	require.NoError(t, ob.Migrate(ctx))
+	_, err = s.Pool.Exec(ctx, `CREATE TABLE effect (id bigserial PRIMARY KEY, order_id text NOT NULL)`)
+	require.NoError(t, err)
+	return &testBundle{schema: s, d: d, ob: ob}
+}
+
+func (b *testBundle) count(t *testing.T, query string, args ...any) int {
+	t.Helper()
+	var n int
+	require.NoError(t, b.schema.Pool.QueryRow(context.Background(), query, args...).Scan(&n))
+	return n
+}
+
+// Order is the test effect's input.
+type Order struct{ ID string }
+
+// orderID builds the business-key identity of an order.
+func orderID(id string) dedupactivity.Identity {
+	return dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, Namespace: "test", ActivityType: "PlaceOrder", Key: id}
+}
+
+// place applies an order: one effect row and the messages named by names,
+// then fail (if non-nil) to make the effect roll back. It returns the keys
+// Enqueue returned.
+func (b *testBundle) place(t *testing.T, id string, names []string, fail error) ([]string, dedupactivity.Outcome, error) {
+	t.Helper()
+	var keys []string
+	_, outcome, err := dedupactivity.Do(context.Background(), b.d, orderID(id), Order{ID: id},
+		func(ctx context.Context, tx pgx.Tx, in Order) (int, error) {
+			if _, err := tx.Exec(ctx, `INSERT INTO effect (order_id) VALUES ($1)`, in.ID); err != nil {
+				return 0, err
+			}
+			for _, n := range names {
+				k, err := b.ob.Enqueue(ctx, tx, outbox.Message{Destination: "receipts", Name: n,
+					Payload: map[string]string{"order": in.ID}, Headers: map[string]string{"X-Order": in.ID}})
+				if err != nil {
+					return 0, err
+				}
+				keys = append(keys, k)
+			}
+			return len(names), fail
+		})
+	return keys, outcome, err
+}
+
+func TestEnqueueCommitsWithEffect(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	keys, outcome, err := b.place(t, "o1", []string{"receipt", "email"}, nil)
+	require.NoError(t, err)
+	require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM effect`))
+	require.Equal(t, 2, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'pending'`))
+	for _, k := range keys {
+		require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE idempotency_key = $1`, k))
+	}
+	var payload []byte
+	var headers map[string]string
+	require.NoError(t, b.schema.Pool.QueryRow(context.Background(),
+		`SELECT payload, headers FROM dedup_outbox WHERE idempotency_key = $1`, keys[0]).Scan(&payload, &headers))
+	require.JSONEq(t, `{"order":"o1"}`, string(payload))
+	require.Equal(t, map[string]string{"X-Order": "o1"}, headers)
+
+	// A duplicate delivery runs nothing and enqueues nothing.
+	again, outcome, err := b.place(t, "o1", []string{"receipt", "email"}, nil)
+	require.NoError(t, err)
+	require.Equal(t, dedupactivity.OutcomeDuplicate, outcome)
+	require.Empty(t, again)
+	require.Equal(t, 2, b.count(t, `SELECT count(*) FROM dedup_outbox`))
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM effect`))
+}
+
+func TestEnqueueRollsBackWithEffect(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	boom := errors.New("boom")
+	keys, outcome, err := b.place(t, "o1", []string{"receipt"}, boom)
+	require.ErrorIs(t, err, boom)
+	require.Equal(t, dedupactivity.OutcomeEffectError, outcome)
+	require.Len(t, keys, 1, "the message was enqueued before the effect failed")
+	require.Zero(t, b.count(t, `SELECT count(*) FROM dedup_outbox`), "and rolled back with it")
+	require.Zero(t, b.count(t, `SELECT count(*) FROM effect`))
+}
+
+func TestEnqueueKeyStableAcrossAttempts(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	// Attempt 1 enqueues and fails; attempt 2 succeeds: same keys.
+	first, _, err := b.place(t, "o1", []string{"receipt", "receipt", "email"}, errors.New("attempt 1 fails"))
+	require.Error(t, err)
+	second, outcome, err := b.place(t, "o1", []string{"receipt", "receipt", "email"}, nil)
+	require.NoError(t, err)
+	require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
+	require.Equal(t, first, second)
+
+	h := orderID("o1").Hash()
+	eventKey := "dedup-" + hex.EncodeToString(h[:])
+	require.Equal(t, []string{eventKey + ":receipt:0", eventKey + ":receipt:1", eventKey + ":email:0"}, second)
+
+	// Another event never shares a key.
+	other, _, err := b.place(t, "o2", []string{"receipt", "receipt", "email"}, nil)
+	require.NoError(t, err)
+	for _, k := range other {
+		require.NotContains(t, second, k)
+	}
+	require.Equal(t, 6, b.count(t, `SELECT count(DISTINCT idempotency_key) FROM dedup_outbox`))
+}
+
+func TestEnqueueOutsideEffect(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	err := pgx.BeginFunc(ctx, b.schema.Pool, func(tx pgx.Tx) error {
+		_, err := b.ob.Enqueue(ctx, tx, outbox.Message{Destination: "receipts"})
+		return err
+	})
+	require.ErrorIs(t, err, outbox.ErrNoEventKey)
+
+	enqueue := func(key string) error {
+		return pgx.BeginFunc(ctx, b.schema.Pool, func(tx pgx.Tx) error {
+			got, err := b.ob.Enqueue(ctx, tx, outbox.Message{Destination: "receipts", Key: key, Payload: json.RawMessage(`{"a":1}`)})
+			if err == nil {
+				require.Equal(t, key, got)
+			}
+			return err
+		})
+	}
+	require.NoError(t, enqueue("explicit-1"))
+	require.ErrorIs(t, enqueue("explicit-1"), outbox.ErrDuplicateKey)
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox`))
+}
+
+func TestEnqueueRejectsBadMessages(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	for name, msg := range map[string]outbox.Message{
+		"no destination": {Key: "k"},
+		"bad name":       {Destination: "d", Name: "a:b", Key: "k"},
+		"bad json":       {Destination: "d", Key: "k", Payload: json.RawMessage(`{`)},
+		"unencodable":    {Destination: "d", Key: "k", Payload: make(chan int)},
+	} {
+		err := pgx.BeginFunc(ctx, b.schema.Pool, func(tx pgx.Tx) error {
+			_, err := b.ob.Enqueue(ctx, tx, msg)
+			return err
+		})
+		require.ErrorIs(t, err, outbox.ErrInvalidMessage, name)
+	}
+}
+
+func TestMigrateIdempotentAndConcurrent(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t)
+	ob, err := outbox.New(s.Pool, outbox.Options{Schema: s.Name + "_ob", Table: "my_outbox"})
+	require.NoError(t, err)
+	t.Cleanup(func() { _, _ = pgtestDrop(s, s.Name+"_ob") })
+	var wg sync.WaitGroup
+	errs := make(chan error, 6)
+	for range 6 {
+		wg.Go(func() { errs <- ob.Migrate(context.Background()) })
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		require.NoError(t, err)
+	}
+	var n int
+	require.NoError(t, s.Pool.QueryRow(context.Background(), `SELECT count(*) FROM `+s.Name+`_ob.my_outbox_migration`).Scan(&n))
+	require.Equal(t, 1, n)
+	st, err := ob.Stats(context.Background())
+	require.NoError(t, err)
+	require.Zero(t, st.Enqueued())
+}
+
+func pgtestDrop(s *pgtest.Schema, schema string) (int, error) {
+	_, err := s.Pool.Exec(context.Background(), `DROP SCHEMA IF EXISTS `+pgx.Identifier{schema}.Sanitize()+` CASCADE`)
+	return 0, err
+}
+
+func TestNotMigrated(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t)
+	ob, err := outbox.New(s.Pool, outbox.Options{})
+	require.NoError(t, err)
+	_, err = ob.Stats(context.Background())
+	require.ErrorIs(t, err, outbox.ErrNotMigrated)
+}
+
+func TestOptionsValidate(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t)
+	for name, o := range map[string]outbox.Options{
+		"table":     {Table: "Bad-Name"},
+		"schema":    {Schema: "x;drop"},
+		"retention": {Retention: time.Second},
+	} {
+		_, err := outbox.New(s.Pool, o)
+		require.ErrorIs(t, err, outbox.ErrInvalidConfig, name)
+	}
+	_, err := outbox.New(nil, outbox.Options{})
+	require.ErrorIs(t, err, outbox.ErrInvalidConfig)
+}
+
+func TestPrune(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	for _, id := range []string{"o1", "o2", "o3", "o4"} {
+		_, _, err := b.place(t, id, []string{"receipt"}, nil)
+		require.NoError(t, err)
+	}
+	_, err := b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET state = v.state, settled_at = now() - interval '31 days'
+FROM (VALUES ('o1', 'sent'), ('o2', 'applied'), ('o3', 'dead')) AS v(order_id, state)
+WHERE convert_from(payload, 'UTF8')::jsonb->>'order' = v.order_id`)
+	require.NoError(t, err)
+	n, err := b.ob.Prune(ctx)
+	require.NoError(t, err)
+	require.Equal(t, int64(2), n)
+	require.Equal(t, 2, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state IN ('dead', 'pending')`))
+}
+
+// destination is a test HTTP destination on loopback that records every
+// request and answers as respond says.
+type destination struct {
+	*httptest.Server
+	mu       sync.Mutex
+	received map[string]int // idempotency key -> requests
+	inFlight map[string]int
+	overlap  int // requests that arrived while another with the same key was in flight
+	headers  []http.Header
+	respond  func(key string, n int) int // status for the n-th request (1-based) of key
+	delay    time.Duration
+}
+
+func newDestination(t *testing.T, respond func(key string, n int) int) *destination {
+	t.Helper()
+	d := &destination{received: map[string]int{}, inFlight: map[string]int{}, respond: respond}
+	d.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		key := r.Header.Get("Idempotency-Key")
+		d.mu.Lock()
+		d.received[key]++
+		n := d.received[key]
+		if d.inFlight[key] > 0 {
+			d.overlap++
+		}
+		d.inFlight[key]++
+		d.headers = append(d.headers, r.Header.Clone())
+		delay := d.delay
+		d.mu.Unlock()
+		time.Sleep(delay)
+		d.mu.Lock()
+		d.inFlight[key]--
+		d.mu.Unlock()
+		status := http.StatusOK
+		if d.respond != nil {
+			status = d.respond(key, n)
+		}
+		w.WriteHeader(status)
+		_, _ = io.WriteString(w, http.StatusText(status))
+	}))
+	t.Cleanup(d.Close)
+	return d
+}
+
+func (d *destination) count(key string) int {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.received[key]
+}
+
+func (d *destination) total() (requests, keys int) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for _, n := range d.received {
+		requests += n
+	}
+	return requests, len(d.received)
+}

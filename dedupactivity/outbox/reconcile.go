@@ -1,0 +1,298 @@
+package outbox
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"net/url"
+	"time"
+
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
+)
+
+// Checker asks a destination whether it applied a message: "did you apply
+// key K?". It returns true or false when the destination knows, and an
+// error when the answer is unknown (the destination is down, say); the
+// message is then reported, not changed.
+type Checker interface {
+	Applied(ctx context.Context, d Delivery) (bool, error)
+}
+
+// CheckerFunc adapts a function to Checker.
+type CheckerFunc func(ctx context.Context, d Delivery) (bool, error)
+
+// Applied calls f.
+func (f CheckerFunc) Applied(ctx context.Context, d Delivery) (bool, error) { return f(ctx, d) }
+
+// HTTPChecker asks over HTTP: a GET of URL(destination, key) answered 200
+// means applied, 404 means not applied, anything else is unknown. The
+// idemhttp package's Middleware.StatusHandler answers this way.
+type HTTPChecker struct {
+	// URL returns the status URL of key at destination; "" means the
+	// destination cannot be asked (unknown).
+	URL func(destination, key string) string
+	// Client sends the requests. Defaults to a client with a 10s timeout.
+	Client *http.Client
+}
+
+// Applied asks the destination.
+func (c HTTPChecker) Applied(ctx context.Context, d Delivery) (bool, error) {
+	u := c.URL(d.Destination, d.Key)
+	if u == "" {
+		return false, fmt.Errorf("outbox: no status URL for destination %q", d.Destination)
+	}
+	client := c.Client
+	if client == nil {
+		client = &http.Client{Timeout: DefaultHTTPTimeout}
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
+	if err != nil {
+		return false, fmt.Errorf("outbox: check %s: %w", d.Key, err)
+	}
+	resp, err := client.Do(req)
+	if err != nil {
+		return false, fmt.Errorf("outbox: check %s: %w", d.Key, err)
+	}
+	resp.Body.Close()
+	switch resp.StatusCode {
+	case http.StatusOK:
+		return true, nil
+	case http.StatusNotFound:
+		return false, nil
+	}
+	return false, fmt.Errorf("outbox: check %s: status %d", d.Key, resp.StatusCode)
+}
+
+// StatusURL returns base + "/" + the path-escaped key: an HTTPChecker.URL
+// for destinations whose status endpoints share the layout base/{key}.
+func StatusURL(bases map[string]string) func(destination, key string) string {
+	return func(destination, key string) string {
+		b, ok := bases[destination]
+		if !ok {
+			return ""
+		}
+		return b + "/" + url.PathEscape(key)
+	}
+}
+
+// Defaults of ReconcilerConfig.
+const (
+	DefaultUnackedAfter = 5 * time.Minute
+	DefaultMaxRequeues  = 3
+	DefaultReconcileMax = 1000
+)
+
+// ReconcilerConfig configures a Reconciler.
+type ReconcilerConfig struct {
+	// Checker asks destinations whether they applied a message. Required.
+	Checker Checker
+
+	// UnackedAfter is how long a message may go without an acknowledgement,
+	// from its first unacknowledged send, before the reconciler asks its
+	// destination about it (a message whose sends time out or whose
+	// responses are lost, say).
+	//
+	// Defaults to DefaultUnackedAfter (5m).
+	UnackedAfter time.Duration
+
+	// MaxRequeues is how many times a dead message the destination has not
+	// applied is re-queued (each time with a fresh MaxAttempts budget).
+	// Past it, the message stays dead and is reported.
+	//
+	// Defaults to DefaultMaxRequeues (3).
+	MaxRequeues int
+
+	// MaxMessages bounds the messages one Reconcile call looks at.
+	//
+	// Defaults to DefaultReconcileMax (1000).
+	MaxMessages int
+
+	// TracerProvider and MeterProvider default to the OTel globals.
+	TracerProvider trace.TracerProvider
+	MeterProvider  metric.MeterProvider
+}
+
+// Reconciler settles what a relay cannot settle alone: messages sent but not
+// acknowledged for longer than UnackedAfter, and dead messages. For each it
+// asks the destination (Checker) and marks the message applied, re-queues
+// it, or reports it.
+type Reconciler struct {
+	ob         *Outbox
+	cfg        ReconcilerConfig
+	tracer     trace.Tracer
+	reconciled metric.Int64Counter
+}
+
+// NewReconciler returns a Reconciler for ob. cfg is checked; an error names
+// the field at fault and wraps ErrInvalidConfig.
+func NewReconciler(ob *Outbox, cfg ReconcilerConfig) (*Reconciler, error) {
+	if ob == nil {
+		return nil, fmt.Errorf("%w: Outbox is nil", ErrInvalidConfig)
+	}
+	if cfg.UnackedAfter == 0 {
+		cfg.UnackedAfter = DefaultUnackedAfter
+	}
+	if cfg.MaxRequeues == 0 {
+		cfg.MaxRequeues = DefaultMaxRequeues
+	}
+	if cfg.MaxMessages == 0 {
+		cfg.MaxMessages = DefaultReconcileMax
+	}
+	if cfg.TracerProvider == nil {
+		cfg.TracerProvider = otel.GetTracerProvider()
+	}
+	if cfg.MeterProvider == nil {
+		cfg.MeterProvider = otel.GetMeterProvider()
+	}
+	switch {
+	case cfg.Checker == nil:
+		return nil, fmt.Errorf("%w: ReconcilerConfig.Checker is nil", ErrInvalidConfig)
+	case cfg.UnackedAfter < time.Millisecond:
+		return nil, fmt.Errorf("%w: ReconcilerConfig.UnackedAfter must be at least 1ms, got %s", ErrInvalidConfig, cfg.UnackedAfter)
+	case cfg.MaxRequeues < 0:
+		return nil, fmt.Errorf("%w: ReconcilerConfig.MaxRequeues must not be negative, got %d", ErrInvalidConfig, cfg.MaxRequeues)
+	case cfg.MaxMessages < 1:
+		return nil, fmt.Errorf("%w: ReconcilerConfig.MaxMessages must be at least 1, got %d", ErrInvalidConfig, cfg.MaxMessages)
+	}
+	rc := &Reconciler{ob: ob, cfg: cfg, tracer: cfg.TracerProvider.Tracer(ScopeName)}
+	var err error
+	if rc.reconciled, err = cfg.MeterProvider.Meter(ScopeName).Int64Counter(MetricReconciled,
+		metric.WithDescription("Outbox messages the reconciler settled or reported."), metric.WithUnit("{message}")); err != nil {
+		return nil, fmt.Errorf("outbox: create %s: %w", MetricReconciled, err)
+	}
+	return rc, nil
+}
+
+// ReconcileReport is what one Reconcile call did.
+type ReconcileReport struct {
+	// Checked counts the messages asked about.
+	Checked int
+	// Applied counts messages the destination had applied, now StateApplied.
+	Applied int
+	// Requeued counts messages the destination had not applied, now due
+	// for another send (dead ones with a fresh attempt budget).
+	Requeued int
+	// Unresolved lists the messages left as they were, and why.
+	Unresolved []Unresolved
+}
+
+// Unresolved is a message the reconciler could not settle.
+type Unresolved struct {
+	Key         string
+	Destination string
+	State       State
+	Attempts    int
+	LastError   string
+	// Reason says why: the check failed (unknown), or a dead message ran
+	// out of re-queues.
+	Reason string
+}
+
+// Reconcile looks at up to MaxMessages messages that are dead, or pending
+// or with an expired lease and unacknowledged for longer than UnackedAfter,
+// asks their destinations, and settles them. Each change is conditional on
+// the message being as it was read, so a relay that sends it meanwhile
+// wins.
+func (rc *Reconciler) Reconcile(ctx context.Context) (rep ReconcileReport, err error) {
+	ctx, span := rc.tracer.Start(ctx, "OutboxReconcile")
+	defer func() {
+		span.SetAttributes(
+			attrInt("dedup.outbox.reconcile.checked", rep.Checked),
+			attrInt("dedup.outbox.reconcile.applied", rep.Applied),
+			attrInt("dedup.outbox.reconcile.requeued", rep.Requeued),
+			attrInt("dedup.outbox.reconcile.unresolved", len(rep.Unresolved)))
+		if err != nil {
+			span.RecordError(err)
+			span.SetStatus(codes.Error, err.Error())
+		}
+		span.End()
+	}()
+	t := rc.ob.table
+	rows, err := rc.ob.pool.Query(ctx, `SELECT id, idempotency_key, destination, name, headers, payload, attempts, requeues, state, coalesce(last_error, '')
+FROM `+t+`
+WHERE state = 'dead'
+   OR (state = 'pending' AND unacked_since < now() - make_interval(secs => $1))
+   OR (state = 'sending' AND lease_until < now() AND unacked_since < now() - make_interval(secs => $1))
+ORDER BY id LIMIT $2`, rc.cfg.UnackedAfter.Seconds(), rc.cfg.MaxMessages)
+	if err != nil {
+		return rep, fmt.Errorf("outbox: reconcile: %w", translate(err))
+	}
+	type candidate struct {
+		d         Delivery
+		requeues  int
+		state     State
+		lastError string
+	}
+	var cands []candidate
+	for rows.Next() {
+		var c candidate
+		var state string
+		if err := rows.Scan(&c.d.ID, &c.d.Key, &c.d.Destination, &c.d.Name, &c.d.Headers, &c.d.Payload, &c.d.Attempt, &c.requeues, &state, &c.lastError); err != nil {
+			rows.Close()
+			return rep, fmt.Errorf("outbox: reconcile: %w", err)
+		}
+		c.state = State(state)
+		cands = append(cands, c)
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return rep, fmt.Errorf("outbox: reconcile: %w", translate(err))
+	}
+	for _, c := range cands {
+		if ctx.Err() != nil {
+			return rep, ctx.Err()
+		}
+		rep.Checked++
+		unresolved := func(reason string) {
+			rep.Unresolved = append(rep.Unresolved, Unresolved{Key: c.d.Key, Destination: c.d.Destination, State: c.state,
+				Attempts: c.d.Attempt, LastError: c.lastError, Reason: reason})
+			rc.count(ctx, "unresolved", c.d.Destination)
+		}
+		applied, cerr := rc.cfg.Checker.Applied(ctx, c.d)
+		if cerr != nil {
+			unresolved("unknown: " + cerr.Error())
+			continue
+		}
+		var sql string
+		switch {
+		case applied:
+			sql = `UPDATE ` + t + ` SET state = 'applied', settled_at = now(), lease_until = NULL, unacked_since = NULL
+WHERE id = $1 AND state = $2 AND attempts = $3`
+		case c.state == StateDead && c.requeues >= rc.cfg.MaxRequeues:
+			unresolved(fmt.Sprintf("not applied at the destination; dead after %d re-queues", c.requeues))
+			continue
+		case c.state == StateDead:
+			sql = `UPDATE ` + t + ` SET state = 'pending', requeues = requeues + 1, tries = 0, next_attempt_at = now(),
+	settled_at = NULL, unacked_since = NULL
+WHERE id = $1 AND state = $2 AND attempts = $3`
+		default:
+			sql = `UPDATE ` + t + ` SET state = 'pending', next_attempt_at = now(), lease_until = NULL, unacked_since = NULL
+WHERE id = $1 AND state = $2 AND attempts = $3`
+		}
+		tag, err := rc.ob.pool.Exec(ctx, sql, c.d.ID, string(c.state), c.d.Attempt)
+		if err != nil {
+			return rep, fmt.Errorf("outbox: reconcile %s: %w", c.d.Key, translate(err))
+		}
+		if tag.RowsAffected() == 0 {
+			continue // a relay took it meanwhile
+		}
+		if applied {
+			rep.Applied++
+			rc.count(ctx, "applied", c.d.Destination)
+		} else {
+			rep.Requeued++
+			rc.count(ctx, "requeued", c.d.Destination)
+		}
+	}
+	return rep, nil
+}
+
+func (rc *Reconciler) count(ctx context.Context, action, destination string) {
+	rc.reconciled.Add(ctx, 1, metric.WithAttributes(ReconcileActionKey.String(action), DestinationKey.String(destination)))
+}
+
+func attrInt(k string, v int) attribute.KeyValue { return attribute.Key(k).Int(v) }

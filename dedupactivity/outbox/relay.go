@@ -1,0 +1,395 @@
+package outbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"time"
+
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
+)
+
+// Defaults of RelayConfig.
+const (
+	DefaultBatchSize    = 16
+	DefaultPollInterval = time.Second
+	DefaultLease        = 30 * time.Second
+	DefaultMaxAttempts  = 10
+	DefaultMinBackoff   = time.Second
+	DefaultMaxBackoff   = 5 * time.Minute
+)
+
+// RelayConfig configures a Relay.
+type RelayConfig struct {
+	// Sender delivers the messages. Required.
+	Sender Sender
+
+	// BatchSize is how many due messages one claim leases.
+	//
+	// Defaults to DefaultBatchSize (16).
+	BatchSize int
+
+	// PollInterval is how long Run waits after a pass that found nothing
+	// due (or failed) before the next.
+	//
+	// Defaults to DefaultPollInterval (1s).
+	PollInterval time.Duration
+
+	// Lease is how long a claimed message belongs to the relay that claimed
+	// it. A relay that dies between send and acknowledgement leaves the
+	// message leased; when the lease expires, any relay sends it again with
+	// the same key. It must exceed the Sender's own timeout (HTTPSender's
+	// Timeout), or a slow send could be repeated while it runs.
+	//
+	// Defaults to DefaultLease (30s).
+	Lease time.Duration
+
+	// MaxAttempts is how many failed sends make a message dead (StateDead,
+	// with its last error). A permanent error (ErrPermanent) makes it dead
+	// at once.
+	//
+	// Defaults to DefaultMaxAttempts (10).
+	MaxAttempts int
+
+	// MinBackoff and MaxBackoff bound the wait before a failed message's
+	// next attempt: MinBackoff doubled per failure, capped at MaxBackoff,
+	// with jitter (between half and all of it).
+	//
+	// Default to DefaultMinBackoff (1s) and DefaultMaxBackoff (5m).
+	MinBackoff, MaxBackoff time.Duration
+
+	// Logger receives Run's pass errors.
+	//
+	// Defaults to slog.Default().
+	Logger *slog.Logger
+
+	// TracerProvider creates the tracer for the span of every send.
+	//
+	// Defaults to otel.GetTracerProvider().
+	TracerProvider trace.TracerProvider
+
+	// MeterProvider creates the meter for MetricDeliveries and
+	// MetricOldestPendingAge.
+	//
+	// Defaults to otel.GetMeterProvider().
+	MeterProvider metric.MeterProvider
+}
+
+func (c RelayConfig) withDefaults() RelayConfig {
+	if c.BatchSize == 0 {
+		c.BatchSize = DefaultBatchSize
+	}
+	if c.PollInterval == 0 {
+		c.PollInterval = DefaultPollInterval
+	}
+	if c.Lease == 0 {
+		c.Lease = DefaultLease
+	}
+	if c.MaxAttempts == 0 {
+		c.MaxAttempts = DefaultMaxAttempts
+	}
+	if c.MinBackoff == 0 {
+		c.MinBackoff = DefaultMinBackoff
+	}
+	if c.MaxBackoff == 0 {
+		c.MaxBackoff = DefaultMaxBackoff
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	if c.TracerProvider == nil {
+		c.TracerProvider = otel.GetTracerProvider()
+	}
+	if c.MeterProvider == nil {
+		c.MeterProvider = otel.GetMeterProvider()
+	}
+	return c
+}
+
+func (c RelayConfig) validate() error {
+	switch {
+	case c.Sender == nil:
+		return fmt.Errorf("%w: RelayConfig.Sender is nil", ErrInvalidConfig)
+	case c.BatchSize < 1 || c.BatchSize > 10000:
+		return fmt.Errorf("%w: RelayConfig.BatchSize must be between 1 and 10000, got %d", ErrInvalidConfig, c.BatchSize)
+	case c.PollInterval < time.Millisecond:
+		return fmt.Errorf("%w: RelayConfig.PollInterval must be at least 1ms, got %s", ErrInvalidConfig, c.PollInterval)
+	case c.Lease < 100*time.Millisecond:
+		return fmt.Errorf("%w: RelayConfig.Lease must be at least 100ms, got %s", ErrInvalidConfig, c.Lease)
+	case c.MaxAttempts < 1:
+		return fmt.Errorf("%w: RelayConfig.MaxAttempts must be at least 1, got %d", ErrInvalidConfig, c.MaxAttempts)
+	case c.MinBackoff < time.Millisecond:
+		return fmt.Errorf("%w: RelayConfig.MinBackoff must be at least 1ms, got %s", ErrInvalidConfig, c.MinBackoff)
+	case c.MaxBackoff < c.MinBackoff:
+		return fmt.Errorf("%w: RelayConfig.MaxBackoff (%s) must not be below MinBackoff (%s)", ErrInvalidConfig, c.MaxBackoff, c.MinBackoff)
+	}
+	return nil
+}
+
+// Relay delivers an outbox's due messages through a Sender, at least once.
+// Any number of relays (goroutines, processes) may run on one outbox: a
+// message is leased by one relay at a time (claimed with FOR UPDATE SKIP
+// LOCKED), and its lease fences the acknowledgement, so no two relays send
+// one message concurrently unless a lease expires during a send.
+//
+// Run it as a loop in each worker process (Run), or from Temporal
+// (RegisterRelay and EnsureRelaySchedule), or both.
+type Relay struct {
+	ob  *Outbox
+	cfg RelayConfig
+	tel *relayTelemetry
+
+	// afterSend, when set (tests only), runs after a successful send and
+	// before its acknowledgement; an error stops the pass there, as if the
+	// relay had died.
+	afterSend func(Delivery) error
+}
+
+// NewRelay returns a Relay for ob. cfg is checked; an error names the field
+// at fault and wraps ErrInvalidConfig.
+func NewRelay(ob *Outbox, cfg RelayConfig) (*Relay, error) {
+	if ob == nil {
+		return nil, fmt.Errorf("%w: Outbox is nil", ErrInvalidConfig)
+	}
+	cfg = cfg.withDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	tel, err := newRelayTelemetry(cfg.TracerProvider, cfg.MeterProvider)
+	if err != nil {
+		return nil, err
+	}
+	return &Relay{ob: ob, cfg: cfg, tel: tel}, nil
+}
+
+// Outbox returns the relay's outbox.
+func (r *Relay) Outbox() *Outbox { return r.ob }
+
+// RelayResult is what one pass of a relay did.
+type RelayResult struct {
+	// Delivered counts messages the destination accepted.
+	Delivered int
+	// Retried counts failed sends scheduled for another attempt.
+	Retried int
+	// Dead counts messages that became dead in this pass.
+	Dead int
+	// LeaseLost counts sends whose lease had expired and been taken by
+	// another relay before the acknowledgement (the message was sent twice,
+	// with the same key).
+	LeaseLost int
+}
+
+// Run delivers due messages until ctx is done, then returns nil. Errors of
+// a pass (the database unreachable, say) are logged and retried after
+// PollInterval.
+func (r *Relay) Run(ctx context.Context) error {
+	for {
+		res, err := r.RunOnce(ctx)
+		if ctx.Err() != nil {
+			return nil
+		}
+		if err != nil {
+			r.cfg.Logger.Warn("outbox relay pass failed", "error", err)
+		}
+		if err != nil || res == (RelayResult{}) {
+			t := time.NewTimer(r.cfg.PollInterval)
+			select {
+			case <-ctx.Done():
+				t.Stop()
+				return nil
+			case <-t.C:
+			}
+		}
+	}
+}
+
+// RunOnce delivers the messages due when it starts (pending and due, or
+// leased by a relay whose lease has expired), batch by batch, and returns
+// what it did. Messages that fail in the pass are not retried in it.
+func (r *Relay) RunOnce(ctx context.Context) (RelayResult, error) {
+	return r.runOnce(ctx, nil)
+}
+
+func (r *Relay) runOnce(ctx context.Context, progress func(RelayResult)) (RelayResult, error) {
+	var res RelayResult
+	var passStart time.Time
+	if err := r.ob.pool.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&passStart); err != nil {
+		return res, fmt.Errorf("outbox: relay: %w", err)
+	}
+	defer r.recordOldest(ctx)
+	for {
+		batch, err := r.claim(ctx, passStart)
+		if err != nil {
+			return res, err
+		}
+		for i, d := range batch {
+			if err := r.deliver(ctx, d, &res); err != nil {
+				// Release the rest of the batch for other relays: their
+				// leases would otherwise have to expire.
+				r.release(ctx, batch[i+1:])
+				return res, err
+			}
+			if progress != nil {
+				progress(res)
+			}
+		}
+		if len(batch) < r.cfg.BatchSize {
+			return res, nil
+		}
+	}
+}
+
+// claim leases up to BatchSize due messages.
+func (r *Relay) claim(ctx context.Context, passStart time.Time) ([]Delivery, error) {
+	t := r.ob.table
+	rows, err := r.ob.pool.Query(ctx, `UPDATE `+t+` SET state = 'sending', attempts = attempts + 1, tries = tries + 1,
+	lease_until = clock_timestamp() + make_interval(secs => $2),
+	unacked_since = coalesce(unacked_since, clock_timestamp())
+WHERE id = ANY (ARRAY(
+	SELECT id FROM `+t+`
+	WHERE (state = 'pending' AND next_attempt_at <= $3) OR (state = 'sending' AND lease_until <= $3)
+	ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED))
+RETURNING id, idempotency_key, destination, name, headers, payload, attempts, tries`,
+		r.cfg.BatchSize, r.cfg.Lease.Seconds(), passStart)
+	if err != nil {
+		return nil, fmt.Errorf("outbox: relay: claim: %w", translate(err))
+	}
+	defer rows.Close()
+	var out []Delivery
+	for rows.Next() {
+		var d Delivery
+		if err := rows.Scan(&d.ID, &d.Key, &d.Destination, &d.Name, &d.Headers, &d.Payload, &d.Attempt, &d.tries); err != nil {
+			return nil, fmt.Errorf("outbox: relay: claim: %w", err)
+		}
+		out = append(out, d)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("outbox: relay: claim: %w", translate(err))
+	}
+	return out, nil
+}
+
+// errRelayStopped: the relay stopped between send and acknowledgement.
+var errRelayStopped = errors.New("outbox: relay stopped before acknowledging a send")
+
+// deliver sends one leased message and records what happened. It returns an
+// error only when the pass must stop.
+func (r *Relay) deliver(ctx context.Context, d Delivery, res *RelayResult) error {
+	ctx, span := r.tel.startSend(ctx, d)
+	sendErr := r.cfg.Sender.Send(ctx, d)
+	if sendErr == nil && r.afterSend != nil {
+		if err := r.afterSend(d); err != nil {
+			r.tel.endSend(ctx, span, d, resultStopped, err)
+			return fmt.Errorf("%w: %w", errRelayStopped, err)
+		}
+	}
+	// Record the outcome even if ctx was cancelled during the send, so the
+	// lease does not have to expire.
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	var result string
+	var tag int64
+	var err error
+	switch {
+	case sendErr == nil:
+		result = resultDelivered
+		tag, err = r.ack(rctx, d)
+	case errors.Is(sendErr, ErrPermanent) || d.tries >= r.cfg.MaxAttempts:
+		result = resultDead
+		tag, err = r.fail(rctx, d, StateDead, 0, sendErr)
+	default:
+		result = resultRetried
+		tag, err = r.fail(rctx, d, StatePending, r.backoff(d.tries), sendErr)
+	}
+	if err != nil {
+		r.tel.endSend(ctx, span, d, result, errors.Join(sendErr, err))
+		return err
+	}
+	if tag == 0 {
+		result = resultLeaseLost
+	}
+	switch result {
+	case resultDelivered:
+		res.Delivered++
+	case resultRetried:
+		res.Retried++
+	case resultDead:
+		res.Dead++
+	case resultLeaseLost:
+		res.LeaseLost++
+	}
+	r.tel.endSend(ctx, span, d, result, sendErr)
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
+	return nil
+}
+
+// ack marks d sent, if this relay still holds its lease (attempts is the
+// fencing token: a relay that re-claimed it has incremented it).
+func (r *Relay) ack(ctx context.Context, d Delivery) (int64, error) {
+	tag, err := r.ob.pool.Exec(ctx, `UPDATE `+r.ob.table+` SET state = 'sent', settled_at = now(),
+	lease_until = NULL, unacked_since = NULL, last_error = NULL
+WHERE id = $1 AND state = 'sending' AND attempts = $2`, d.ID, d.Attempt)
+	if err != nil {
+		return 0, fmt.Errorf("outbox: relay: acknowledge %s: %w", d.Key, translate(err))
+	}
+	return tag.RowsAffected(), nil
+}
+
+// fail records a failed send: pending again after backoff, or dead.
+func (r *Relay) fail(ctx context.Context, d Delivery, state State, backoff time.Duration, sendErr error) (int64, error) {
+	msg := sendErr.Error()
+	if len(msg) > 2000 {
+		msg = msg[:2000]
+	}
+	tag, err := r.ob.pool.Exec(ctx, `UPDATE `+r.ob.table+` SET state = $3,
+	next_attempt_at = now() + make_interval(secs => $4), lease_until = NULL, last_error = $5,
+	settled_at = CASE WHEN $3 = 'dead' THEN now() END
+WHERE id = $1 AND state = 'sending' AND attempts = $2`, d.ID, d.Attempt, string(state), backoff.Seconds(), validText(msg))
+	if err != nil {
+		return 0, fmt.Errorf("outbox: relay: record failure of %s: %w", d.Key, translate(err))
+	}
+	return tag.RowsAffected(), nil
+}
+
+// release gives leased messages back without counting their attempt.
+func (r *Relay) release(ctx context.Context, batch []Delivery) {
+	if len(batch) == 0 {
+		return
+	}
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	ids := make([]int64, len(batch))
+	attempts := make([]int32, len(batch))
+	for i, d := range batch {
+		ids[i], attempts[i] = d.ID, int32(d.Attempt)
+	}
+	_, _ = r.ob.pool.Exec(rctx, `UPDATE `+r.ob.table+` o SET state = 'pending', attempts = o.attempts - 1, tries = o.tries - 1, lease_until = NULL
+FROM unnest($1::bigint[], $2::int[]) AS l(id, attempts)
+WHERE o.id = l.id AND o.state = 'sending' AND o.attempts = l.attempts`, ids, attempts)
+}
+
+// backoff is the wait after the tries-th failed send.
+func (r *Relay) backoff(tries int) time.Duration {
+	b := r.cfg.MinBackoff
+	for i := 1; i < tries && b < r.cfg.MaxBackoff; i++ {
+		b *= 2
+	}
+	b = min(b, r.cfg.MaxBackoff)
+	return b/2 + rand.N(b/2+1)
+}
+
+func (r *Relay) recordOldest(ctx context.Context) {
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	var age float64
+	if err := r.ob.pool.QueryRow(rctx, `SELECT coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8
+FROM `+r.ob.table+` WHERE state IN ('pending', 'sending')`).Scan(&age); err == nil {
+		r.tel.oldest.Record(rctx, age)
+	}
+}

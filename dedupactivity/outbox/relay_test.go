@@ -1,0 +1,372 @@
+package outbox_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/otel/attribute"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"go.temporal.io/sdk/activity"
+	"go.temporal.io/sdk/testsuite"
+
+	"github.com/dedupactivity/dedupactivity/dedupactivity/outbox"
+)
+
+func (b *testBundle) relay(t *testing.T, dest *destination, cfg outbox.RelayConfig) *outbox.Relay {
+	t.Helper()
+	if cfg.Sender == nil {
+		s, err := outbox.NewHTTPSender(outbox.HTTPSenderConfig{Endpoints: map[string]string{"receipts": dest.URL}, Timeout: 2 * time.Second})
+		require.NoError(t, err)
+		cfg.Sender = s
+	}
+	r, err := outbox.NewRelay(b.ob, cfg)
+	require.NoError(t, err)
+	return r
+}
+
+func (b *testBundle) placeN(t *testing.T, n int) []string {
+	t.Helper()
+	var keys []string
+	for i := range n {
+		k, _, err := b.place(t, fmt.Sprintf("o%d", i), []string{"receipt"}, nil)
+		require.NoError(t, err)
+		keys = append(keys, k...)
+	}
+	return keys
+}
+
+func TestRelayDelivers(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	dest := newDestination(t, nil)
+	keys := b.placeN(t, 5)
+	res, err := b.relay(t, dest, outbox.RelayConfig{BatchSize: 2}).RunOnce(context.Background())
+	require.NoError(t, err)
+	require.Equal(t, outbox.RelayResult{Delivered: 5}, res)
+	for _, k := range keys {
+		require.Equal(t, 1, dest.count(k), k)
+	}
+	require.Equal(t, 5, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'sent' AND settled_at IS NOT NULL AND attempts = 1`))
+	dest.mu.Lock()
+	h := dest.headers[0]
+	dest.mu.Unlock()
+	require.Equal(t, "application/json", h.Get("Content-Type"))
+	require.Contains(t, keys, h.Get("Idempotency-Key"))
+	require.NotEmpty(t, h.Get("X-Order"), "message headers are sent")
+
+	// Nothing is due any more.
+	res, err = b.relay(t, dest, outbox.RelayConfig{}).RunOnce(context.Background())
+	require.NoError(t, err)
+	require.Zero(t, res)
+}
+
+func TestManyRelaysNeverSendOneMessageConcurrently(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	dest := newDestination(t, nil)
+	dest.delay = 2 * time.Millisecond
+	keys := b.placeN(t, 120)
+	var wg sync.WaitGroup
+	results := make(chan outbox.RelayResult, 4)
+	for range 4 {
+		r := b.relay(t, dest, outbox.RelayConfig{BatchSize: 5})
+		wg.Go(func() {
+			res, err := r.RunOnce(context.Background())
+			require.NoError(t, err)
+			results <- res
+		})
+	}
+	wg.Wait()
+	close(results)
+	delivered, relaysThatWorked := 0, 0
+	for res := range results {
+		delivered += res.Delivered
+		if res.Delivered > 0 {
+			relaysThatWorked++
+		}
+	}
+	require.Equal(t, 120, delivered)
+	require.Greater(t, relaysThatWorked, 1, "the relays shared the work")
+	requests, distinct := dest.total()
+	require.Equal(t, 120, requests, "each message sent exactly once")
+	require.Equal(t, len(keys), distinct)
+	require.Zero(t, dest.overlap)
+	require.Equal(t, 120, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'sent' AND attempts = 1`))
+}
+
+func TestRelayCrashBetweenSendAndAckResendsSameKey(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	dest := newDestination(t, nil)
+	keys := b.placeN(t, 1)
+	crashing := b.relay(t, dest, outbox.RelayConfig{Lease: 300 * time.Millisecond})
+	outbox.SetAfterSendHook(crashing, func(outbox.Delivery) error { return errors.New("killed") })
+	_, err := crashing.RunOnce(context.Background())
+	require.ErrorContains(t, err, "killed")
+	require.Equal(t, 1, dest.count(keys[0]), "sent once")
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'sending'`), "not acknowledged")
+
+	other := b.relay(t, dest, outbox.RelayConfig{Lease: 300 * time.Millisecond})
+	res, err := other.RunOnce(context.Background())
+	require.NoError(t, err)
+	require.Zero(t, res, "the lease still holds")
+
+	require.Eventually(t, func() bool {
+		res, err := other.RunOnce(context.Background())
+		require.NoError(t, err)
+		return res.Delivered == 1
+	}, 10*time.Second, 50*time.Millisecond)
+	require.Equal(t, 2, dest.count(keys[0]), "re-sent after the lease expired, with the same key")
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'sent' AND attempts = 2`))
+}
+
+func TestRelayRetriesWithBackoffThenDead(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	dest := newDestination(t, func(string, int) int { return http.StatusServiceUnavailable })
+	keys := b.placeN(t, 1)
+	r := b.relay(t, dest, outbox.RelayConfig{MaxAttempts: 3, MinBackoff: 400 * time.Millisecond, MaxBackoff: 800 * time.Millisecond})
+	ctx := context.Background()
+
+	res, err := r.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, outbox.RelayResult{Retried: 1}, res)
+	// Backed off: between half and all of MinBackoff from now.
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'pending'
+		AND next_attempt_at > now() + interval '100 ms' AND next_attempt_at <= now() + interval '400 ms'
+		AND last_error LIKE '%503%'`))
+	res, err = r.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Zero(t, res, "not due during its backoff")
+
+	var last outbox.RelayResult
+	require.Eventually(t, func() bool {
+		res, err := r.RunOnce(ctx)
+		require.NoError(t, err)
+		if res != (outbox.RelayResult{}) {
+			last = res
+		}
+		return res.Dead == 1
+	}, 10*time.Second, 50*time.Millisecond)
+	require.Equal(t, outbox.RelayResult{Dead: 1}, last)
+	require.Equal(t, 3, dest.count(keys[0]))
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'dead' AND attempts = 3
+		AND last_error LIKE '%503 Service Unavailable%' AND settled_at IS NOT NULL`))
+	res, err = r.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Zero(t, res, "dead messages are not sent")
+}
+
+func TestRelayPermanentFailureIsDeadAtOnce(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	dest := newDestination(t, func(string, int) int { return http.StatusBadRequest })
+	b.placeN(t, 1)
+	res, err := b.relay(t, dest, outbox.RelayConfig{}).RunOnce(context.Background())
+	require.NoError(t, err)
+	require.Equal(t, outbox.RelayResult{Dead: 1}, res)
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'dead' AND attempts = 1 AND last_error LIKE '%400%'`))
+}
+
+func TestHTTPSenderClassifiesFailures(t *testing.T) {
+	t.Parallel()
+	status := map[string]int{"k400": 400, "k404": 404, "k422": 422, "k408": 408, "k409": 409, "k429": 429, "k500": 500, "k503": 503, "k200": 200, "k201": 201}
+	dest := newDestination(t, func(key string, _ int) int { return status[key] })
+	s, err := outbox.NewHTTPSender(outbox.HTTPSenderConfig{Endpoints: map[string]string{"d": dest.URL}, Timeout: 300 * time.Millisecond})
+	require.NoError(t, err)
+	ctx := context.Background()
+	for key, code := range status {
+		err := s.Send(ctx, outbox.Delivery{Key: key, Destination: "d", Payload: []byte(`{}`)})
+		switch {
+		case code < 300:
+			require.NoError(t, err, key)
+		case code == 408 || code == 409 || code == 429 || code >= 500:
+			var se *outbox.StatusError
+			require.ErrorAs(t, err, &se, key)
+			require.Equal(t, code, se.StatusCode)
+			require.NotErrorIs(t, err, outbox.ErrPermanent, key)
+		default:
+			require.ErrorIs(t, err, outbox.ErrPermanent, key)
+		}
+	}
+
+	// Unknown destination: permanent.
+	err = s.Send(ctx, outbox.Delivery{Key: "k", Destination: "nowhere"})
+	require.ErrorIs(t, err, outbox.ErrPermanent)
+	require.ErrorIs(t, err, outbox.ErrUnknownDestination)
+
+	// Network error (nothing listens): retryable.
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	closedURL := "http://" + ln.Addr().String()
+	require.NoError(t, ln.Close())
+	down, err := outbox.NewHTTPSender(outbox.HTTPSenderConfig{Endpoints: map[string]string{"d": closedURL}})
+	require.NoError(t, err)
+	err = down.Send(ctx, outbox.Delivery{Key: "k", Destination: "d"})
+	require.Error(t, err)
+	require.NotErrorIs(t, err, outbox.ErrPermanent)
+
+	// Timeout: retryable.
+	slow := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		select {
+		case <-r.Context().Done():
+		case <-time.After(5 * time.Second):
+		}
+	}))
+	t.Cleanup(slow.Close)
+	ss, err := outbox.NewHTTPSender(outbox.HTTPSenderConfig{Endpoints: map[string]string{"d": slow.URL}, Timeout: 100 * time.Millisecond})
+	require.NoError(t, err)
+	err = ss.Send(ctx, outbox.Delivery{Key: "k", Destination: "d"})
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	require.NotErrorIs(t, err, outbox.ErrPermanent)
+
+	for name, cfg := range map[string]outbox.HTTPSenderConfig{
+		"no endpoints": {},
+		"bad url":      {Endpoints: map[string]string{"d": "ftp://x"}},
+		"bad timeout":  {Endpoints: map[string]string{"d": dest.URL}, Timeout: -1},
+	} {
+		_, err := outbox.NewHTTPSender(cfg)
+		require.ErrorIs(t, err, outbox.ErrInvalidConfig, name)
+	}
+}
+
+func TestRelayConfigValidate(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	sender := outbox.SenderFunc(func(context.Context, outbox.Delivery) error { return nil })
+	for name, cfg := range map[string]outbox.RelayConfig{
+		"sender":  {},
+		"batch":   {Sender: sender, BatchSize: -1},
+		"lease":   {Sender: sender, Lease: time.Millisecond},
+		"backoff": {Sender: sender, MinBackoff: time.Second, MaxBackoff: time.Millisecond},
+		"max":     {Sender: sender, MaxAttempts: -2},
+	} {
+		_, err := outbox.NewRelay(b.ob, cfg)
+		require.ErrorIs(t, err, outbox.ErrInvalidConfig, name)
+	}
+}
+
+func TestRelayRunLoop(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	dest := newDestination(t, nil)
+	r := b.relay(t, dest, outbox.RelayConfig{PollInterval: 20 * time.Millisecond})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error)
+	go func() { done <- r.Run(ctx) }()
+	keys := b.placeN(t, 3) // enqueued while the loop polls
+	require.Eventually(t, func() bool {
+		return b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'sent'`) == 3
+	}, 10*time.Second, 20*time.Millisecond)
+	cancel()
+	require.NoError(t, <-done)
+	for _, k := range keys {
+		require.Equal(t, 1, dest.count(k))
+	}
+}
+
+func TestRelayActivity(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	dest := newDestination(t, nil)
+	r := b.relay(t, dest, outbox.RelayConfig{})
+	b.placeN(t, 3)
+	var suite testsuite.WorkflowTestSuite
+	env := suite.NewTestActivityEnvironment()
+	env.RegisterActivityWithOptions(r.Activity, activityNamed(r.RelayActivityName()))
+	val, err := env.ExecuteActivity(r.RelayActivityName())
+	require.NoError(t, err)
+	var res outbox.RelayResult
+	require.NoError(t, val.Get(&res))
+	require.Equal(t, outbox.RelayResult{Delivered: 3}, res)
+	require.Equal(t, 3, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'sent'`))
+}
+
+func TestRelayWorkflowRunsTheActivity(t *testing.T) {
+	t.Parallel()
+	var suite testsuite.WorkflowTestSuite
+	env := suite.NewTestWorkflowEnvironment()
+	env.RegisterWorkflow(outbox.RelayWorkflow)
+	env.RegisterActivityWithOptions(func(context.Context) (outbox.RelayResult, error) {
+		return outbox.RelayResult{Delivered: 7}, nil
+	}, activityNamed("DedupOutboxRelay:x"))
+	env.ExecuteWorkflow(outbox.RelayWorkflow, "DedupOutboxRelay:x")
+	require.NoError(t, env.GetWorkflowError())
+	var res outbox.RelayResult
+	require.NoError(t, env.GetWorkflowResult(&res))
+	require.Equal(t, 7, res.Delivered)
+}
+
+func TestRelayTelemetry(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	dest := newDestination(t, nil)
+	spans := tracetest.NewSpanRecorder()
+	reader := sdkmetric.NewManualReader()
+	fail := map[string]int{} // key -> status
+	var mu sync.Mutex
+	dest.respond = func(key string, _ int) int {
+		mu.Lock()
+		defer mu.Unlock()
+		if s, ok := fail[key]; ok {
+			return s
+		}
+		return http.StatusOK
+	}
+	keys := b.placeN(t, 3)
+	mu.Lock()
+	fail[keys[1]] = 503
+	fail[keys[2]] = 400
+	mu.Unlock()
+	r := b.relay(t, dest, outbox.RelayConfig{
+		TracerProvider: sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans)),
+		MeterProvider:  sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)),
+	})
+	res, err := r.RunOnce(context.Background())
+	require.NoError(t, err)
+	require.Equal(t, outbox.RelayResult{Delivered: 1, Retried: 1, Dead: 1}, res)
+
+	results := map[string]string{}
+	for _, s := range spans.Ended() {
+		require.Equal(t, "OutboxSend:receipts", s.Name())
+		attrs := attribute.NewSet(s.Attributes()...)
+		k, _ := attrs.Value(outbox.MessageKeyKey)
+		v, _ := attrs.Value(outbox.ResultKey)
+		results[k.AsString()] = v.AsString()
+	}
+	require.Equal(t, map[string]string{keys[0]: "delivered", keys[1]: "retried", keys[2]: "dead"}, results)
+
+	var rm metricdata.ResourceMetrics
+	require.NoError(t, reader.Collect(context.Background(), &rm))
+	counts := map[string]int64{}
+	var oldest float64 = -1
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			switch m.Name {
+			case outbox.MetricDeliveries:
+				for _, dp := range m.Data.(metricdata.Sum[int64]).DataPoints {
+					res, _ := dp.Attributes.Value(outbox.ResultKey)
+					dst, _ := dp.Attributes.Value(outbox.DestinationKey)
+					counts[dst.AsString()+"/"+res.AsString()] += dp.Value
+				}
+			case outbox.MetricOldestPendingAge:
+				oldest = m.Data.(metricdata.Gauge[float64]).DataPoints[0].Value
+			}
+		}
+	}
+	require.Equal(t, map[string]int64{"receipts/delivered": 1, "receipts/retried": 1, "receipts/dead": 1}, counts)
+	require.Greater(t, oldest, 0.0, "the retried message is still pending")
+}
+
+func activityNamed(name string) activity.RegisterOptions { return activity.RegisterOptions{Name: name} }

@@ -1,0 +1,163 @@
+package outbox
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"time"
+)
+
+// Delivery is one attempt to deliver a message, as a Sender sees it.
+type Delivery struct {
+	// ID is the message's row ID in the outbox table.
+	ID int64
+	// Key is the message's idempotency key: the same on every attempt.
+	Key         string
+	Destination string
+	Name        string
+	Headers     map[string]string
+	// Payload is the message's JSON encoding.
+	Payload []byte
+	// Attempt counts this message's sends, this one included (from 1).
+	Attempt int
+
+	tries int // sends since enqueued or re-queued, this one included
+}
+
+// Sender delivers messages. Send returns nil only when the destination has
+// accepted the message; an error wrapping ErrPermanent makes the message
+// dead at once, any other error is retried with backoff. Send must pass
+// d.Key to the destination so that a re-send (after a crash between send and
+// acknowledgement, or a lost response) is applied once there.
+type Sender interface {
+	Send(ctx context.Context, d Delivery) error
+}
+
+// SenderFunc adapts a function to Sender.
+type SenderFunc func(ctx context.Context, d Delivery) error
+
+// Send calls f.
+func (f SenderFunc) Send(ctx context.Context, d Delivery) error { return f(ctx, d) }
+
+// IdempotencyKeyHeader is the HTTP header carrying the idempotency key.
+const IdempotencyKeyHeader = "Idempotency-Key"
+
+// DefaultHTTPTimeout bounds one HTTP delivery.
+const DefaultHTTPTimeout = 10 * time.Second
+
+// HTTPSenderConfig configures an HTTPSender.
+type HTTPSenderConfig struct {
+	// Endpoints maps each destination name to the URL its messages are
+	// POSTed to. Required (at least one).
+	Endpoints map[string]string
+
+	// Client sends the requests. Its own Timeout, if any, applies too.
+	//
+	// Defaults to a client with no timeout of its own (Timeout bounds each
+	// request).
+	Client *http.Client
+
+	// Timeout bounds each request, response body included. Keep it below
+	// the relay's Lease.
+	//
+	// Defaults to DefaultHTTPTimeout (10s).
+	Timeout time.Duration
+}
+
+// HTTPSender POSTs each message's JSON payload to its destination's URL,
+// with the Idempotency-Key header, Content-Type application/json and the
+// message's headers. A 2xx response is success; 408, 409, 425, 429 and 5xx
+// responses and network errors are retried (StatusError, or the transport's
+// error); other 4xx responses are permanent (a StatusError wrapping
+// ErrPermanent).
+type HTTPSender struct {
+	cfg HTTPSenderConfig
+}
+
+// NewHTTPSender checks cfg and returns an HTTPSender.
+func NewHTTPSender(cfg HTTPSenderConfig) (*HTTPSender, error) {
+	if len(cfg.Endpoints) == 0 {
+		return nil, fmt.Errorf("%w: HTTPSenderConfig.Endpoints is empty", ErrInvalidConfig)
+	}
+	for dest, u := range cfg.Endpoints {
+		pu, err := url.Parse(u)
+		if err != nil || (pu.Scheme != "http" && pu.Scheme != "https") || pu.Host == "" {
+			return nil, fmt.Errorf("%w: HTTPSenderConfig.Endpoints[%q] = %q is not an http(s) URL", ErrInvalidConfig, dest, u)
+		}
+	}
+	if cfg.Client == nil {
+		cfg.Client = &http.Client{}
+	}
+	if cfg.Timeout == 0 {
+		cfg.Timeout = DefaultHTTPTimeout
+	}
+	if cfg.Timeout < 0 {
+		return nil, fmt.Errorf("%w: HTTPSenderConfig.Timeout must be positive, got %s", ErrInvalidConfig, cfg.Timeout)
+	}
+	return &HTTPSender{cfg: cfg}, nil
+}
+
+// StatusError is a non-2xx HTTP response. It matches ErrPermanent with
+// errors.Is when the status is not worth retrying.
+type StatusError struct {
+	StatusCode int
+	// Body is the start of the response body (at most 512 bytes).
+	Body string
+}
+
+func (e *StatusError) Error() string {
+	return fmt.Sprintf("outbox: destination answered %d %s: %s", e.StatusCode, http.StatusText(e.StatusCode), e.Body)
+}
+
+// Is makes a permanent status match ErrPermanent.
+func (e *StatusError) Is(target error) bool {
+	return target == ErrPermanent && !Retryable(e.StatusCode)
+}
+
+// Retryable says whether a delivery answered with status is worth
+// retrying: 408 Request Timeout, 409 Conflict (the destination is still
+// processing the same key), 425 Too Early, 429 Too Many Requests and every
+// 5xx.
+func Retryable(status int) bool {
+	switch status {
+	case http.StatusRequestTimeout, http.StatusConflict, http.StatusTooEarly, http.StatusTooManyRequests:
+		return true
+	}
+	return status >= 500
+}
+
+// Send POSTs d to its destination.
+func (s *HTTPSender) Send(ctx context.Context, d Delivery) error {
+	u, ok := s.cfg.Endpoints[d.Destination]
+	if !ok {
+		return fmt.Errorf("%w: %w %q", ErrPermanent, ErrUnknownDestination, d.Destination)
+	}
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.Timeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, u, bytes.NewReader(d.Payload))
+	if err != nil {
+		return fmt.Errorf("%w: build request: %w", ErrPermanent, err)
+	}
+	for k, v := range d.Headers {
+		req.Header.Set(k, v)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set(IdempotencyKeyHeader, d.Key)
+	resp, err := s.cfg.Client.Do(req)
+	if err != nil {
+		return fmt.Errorf("outbox: send to %s: %w", d.Destination, err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, 512))
+	if resp.StatusCode >= 200 && resp.StatusCode < 300 {
+		return nil // accepted; a failure to read the rest of the body does not matter
+	}
+	if err != nil && !errors.Is(err, io.EOF) {
+		body = append(body, []byte(" (reading body: "+err.Error()+")")...)
+	}
+	return &StatusError{StatusCode: resp.StatusCode, Body: string(body)}
+}

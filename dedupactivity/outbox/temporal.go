@@ -1,0 +1,109 @@
+package outbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	enumspb "go.temporal.io/api/enums/v1"
+	"go.temporal.io/sdk/activity"
+	"go.temporal.io/sdk/client"
+	"go.temporal.io/sdk/temporal"
+	"go.temporal.io/sdk/worker"
+	"go.temporal.io/sdk/workflow"
+)
+
+// Names under which RegisterRelay and RegisterReconciler register their
+// workflows. Activity names carry the outbox table (RelayActivityName,
+// ReconcileActivityName), so one worker can serve several outboxes.
+const (
+	RelayWorkflowName     = "DedupOutboxRelay"
+	ReconcileWorkflowName = "DedupOutboxReconcile"
+)
+
+// RelayActivityName is the name of r's relay activity.
+func (r *Relay) RelayActivityName() string { return RelayWorkflowName + ":" + r.ob.table }
+
+// ReconcileActivityName is the name of rc's reconcile activity.
+func (rc *Reconciler) ReconcileActivityName() string {
+	return ReconcileWorkflowName + ":" + rc.ob.table
+}
+
+// RegisterRelay registers the relay workflow and r's relay activity on a
+// worker. The activity runs one pass (RunOnce), heartbeating after every
+// message, and returns its RelayResult; EnsureRelaySchedule runs it from a
+// Temporal Schedule, visible in the Web UI with every pass's result. Use it
+// alone when a delivery delay of up to the schedule's interval is fine, or
+// beside Run loops as a sweeper.
+func RegisterRelay(r worker.Registry, relay *Relay) {
+	r.RegisterWorkflowWithOptions(RelayWorkflow, workflow.RegisterOptions{Name: RelayWorkflowName})
+	r.RegisterActivityWithOptions(relay.Activity, activity.RegisterOptions{Name: relay.RelayActivityName()})
+}
+
+// Activity is the relay activity that RegisterRelay registers: one pass
+// (RunOnce), heartbeating after every message.
+func (r *Relay) Activity(ctx context.Context) (RelayResult, error) {
+	return r.runOnce(ctx, func(res RelayResult) { activity.RecordHeartbeat(ctx, res) })
+}
+
+// RelayWorkflow runs one relay activity (its name is the input).
+func RelayWorkflow(ctx workflow.Context, activityName string) (RelayResult, error) {
+	var res RelayResult
+	err := workflow.ExecuteActivity(withSweepOptions(ctx), activityName).Get(ctx, &res)
+	return res, err
+}
+
+// RegisterReconciler registers the reconcile workflow and rc's activity on a
+// worker; the activity runs Reconcile and returns its ReconcileReport.
+func RegisterReconciler(r worker.Registry, rc *Reconciler) {
+	r.RegisterWorkflowWithOptions(ReconcileWorkflow, workflow.RegisterOptions{Name: ReconcileWorkflowName})
+	r.RegisterActivityWithOptions(rc.Reconcile, activity.RegisterOptions{Name: rc.ReconcileActivityName()})
+}
+
+// ReconcileWorkflow runs one reconcile activity (its name is the input).
+func ReconcileWorkflow(ctx workflow.Context, activityName string) (ReconcileReport, error) {
+	var rep ReconcileReport
+	err := workflow.ExecuteActivity(withSweepOptions(ctx), activityName).Get(ctx, &rep)
+	return rep, err
+}
+
+func withSweepOptions(ctx workflow.Context) workflow.Context {
+	return workflow.WithActivityOptions(ctx, workflow.ActivityOptions{
+		StartToCloseTimeout: 30 * time.Minute,
+		HeartbeatTimeout:    2 * time.Minute,
+		RetryPolicy:         &temporal.RetryPolicy{MaximumAttempts: 3},
+	})
+}
+
+// EnsureRelaySchedule creates, if it does not exist, a Schedule with the
+// given ID that runs RelayWorkflow for r every interval on taskQueue (where
+// RegisterRelay registered it). Overlapping runs are skipped. It is
+// idempotent and safe to call from every worker at start.
+func EnsureRelaySchedule(ctx context.Context, c client.Client, r *Relay, scheduleID, taskQueue string, interval time.Duration) error {
+	return ensureSchedule(ctx, c, scheduleID, taskQueue, interval, RelayWorkflowName, r.RelayActivityName())
+}
+
+// EnsureReconcileSchedule is EnsureRelaySchedule for a Reconciler.
+func EnsureReconcileSchedule(ctx context.Context, c client.Client, rc *Reconciler, scheduleID, taskQueue string, interval time.Duration) error {
+	return ensureSchedule(ctx, c, scheduleID, taskQueue, interval, ReconcileWorkflowName, rc.ReconcileActivityName())
+}
+
+func ensureSchedule(ctx context.Context, c client.Client, id, taskQueue string, interval time.Duration, wf, act string) error {
+	if interval < time.Second {
+		return fmt.Errorf("%w: schedule interval must be at least 1s, got %s", ErrInvalidConfig, interval)
+	}
+	_, err := c.ScheduleClient().Create(ctx, client.ScheduleOptions{
+		ID:      id,
+		Spec:    client.ScheduleSpec{Intervals: []client.ScheduleIntervalSpec{{Every: interval}}},
+		Overlap: enumspb.SCHEDULE_OVERLAP_POLICY_SKIP,
+		Action:  &client.ScheduleWorkflowAction{ID: id, Workflow: wf, Args: []any{act}, TaskQueue: taskQueue},
+	})
+	if errors.Is(err, temporal.ErrScheduleAlreadyRunning) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("outbox: create schedule %q: %w", id, err)
+	}
+	return nil
+}

@@ -1,0 +1,86 @@
+package receipts_test
+
+import (
+	"context"
+	"net/http/httptest"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"go.temporal.io/sdk/testsuite"
+
+	"github.com/dedupactivity/dedupactivity/activities"
+	"github.com/dedupactivity/dedupactivity/dedupactivity"
+	"github.com/dedupactivity/dedupactivity/dedupactivity/outbox"
+	"github.com/dedupactivity/dedupactivity/internal/pgtest"
+	"github.com/dedupactivity/dedupactivity/internal/receipts"
+)
+
+func TestMain(m *testing.M) { pgtest.Main(m) }
+
+// TestCreditSendsOneReceipt runs the ledger's Credit activity (twice: a
+// redelivery), relays its outbox to the receipts service on loopback (its
+// own schema), re-sends as a relay that lost its acknowledgement would, and
+// counts receipts at the destination by SQL.
+func TestCreditSendsOneReceipt(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	ledger, dest := pgtest.NewSchema(t), pgtest.NewSchema(t)
+
+	svc, err := receipts.New(dest.Pool)
+	require.NoError(t, err)
+	require.NoError(t, svc.Migrate(ctx))
+	srv := httptest.NewServer(svc.Handler())
+	t.Cleanup(srv.Close)
+
+	d, err := dedupactivity.New(ledger.Pool, dedupactivity.Options{})
+	require.NoError(t, err)
+	require.NoError(t, d.Migrate(ctx))
+	require.NoError(t, activities.Migrate(ctx, ledger.Pool))
+	require.NoError(t, activities.OpenAccounts(ctx, ledger.Pool, 100, "a", "b"))
+	ob, err := outbox.New(ledger.Pool, outbox.Options{})
+	require.NoError(t, err)
+	require.NoError(t, ob.Migrate(ctx))
+	acts := &activities.Activities{Pool: ledger.Pool, Deduper: d, Outbox: ob}
+
+	in := activities.Posting{TransferID: "t1", Account: "b", Amount: 7}
+	for range 2 { // the same event delivered twice
+		var suite testsuite.WorkflowTestSuite
+		env := suite.NewTestActivityEnvironment()
+		acts.Register(env)
+		_, err := env.ExecuteActivity(activities.CreditName, in)
+		require.NoError(t, err)
+	}
+	st, err := ob.Stats(ctx)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), st.Pending, "one receipt enqueued for one credit")
+
+	sender, err := outbox.NewHTTPSender(outbox.HTTPSenderConfig{Endpoints: map[string]string{activities.ReceiptsDestination: srv.URL + receipts.ReceiptsPath}})
+	require.NoError(t, err)
+	relay, err := outbox.NewRelay(ob, outbox.RelayConfig{Sender: sender})
+	require.NoError(t, err)
+	res, err := relay.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, outbox.RelayResult{Delivered: 1}, res)
+
+	// The acknowledgement is lost (as if the relay died after sending): the
+	// message is due again and re-sent with the same key.
+	_, err = ledger.Pool.Exec(ctx, `UPDATE dedup_outbox SET state = 'pending', settled_at = NULL`)
+	require.NoError(t, err)
+	res, err = relay.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, outbox.RelayResult{Delivered: 1}, res)
+
+	counts, err := receipts.Counts(ctx, dest.Pool, []string{"t1"})
+	require.NoError(t, err)
+	require.Equal(t, map[string]int{"t1": 1}, counts, "sent twice, stored once")
+	var amount int64
+	require.NoError(t, dest.Pool.QueryRow(ctx, `SELECT amount FROM receipt WHERE transfer_id = 't1'`).Scan(&amount))
+	require.Equal(t, int64(7), amount)
+
+	checker := outbox.HTTPChecker{URL: outbox.StatusURL(map[string]string{activities.ReceiptsDestination: srv.URL + receipts.StatusPath})}
+	var key string
+	require.NoError(t, ledger.Pool.QueryRow(ctx, `SELECT idempotency_key FROM dedup_outbox`).Scan(&key))
+	applied, err := checker.Applied(ctx, outbox.Delivery{Key: key, Destination: activities.ReceiptsDestination})
+	require.NoError(t, err)
+	require.True(t, applied)
+}
