@@ -49,3 +49,19 @@ func (d *Deduper) qualify(name string) string {
 	}
 	return pgx.Identifier{name}.Sanitize()
 }
+
+// Applied says whether the event id was applied: its marker is committed
+// (until Prune removes it after its retention). A destination answers a
+// reconciler's "did you apply key K?" with it.
+func (d *Deduper) Applied(ctx context.Context, id Identity) (bool, error) {
+	enc := id.Encode()
+	if err := id.validate(enc); err != nil {
+		return false, err
+	}
+	h := sha256Sum(enc)
+	var ok bool
+	if err := d.pool.QueryRow(ctx, d.store.exists, h[:]).Scan(&ok); err != nil {
+		return false, fmt.Errorf("dedupactivity: applied: %w", interpretError(err, false))
+	}
+	return ok, nil
+}

@@ -49,6 +49,8 @@ type store struct {
 	complete string
 	// read returns a committed marker.
 	read string
+	// exists says whether a marker is committed.
+	exists string
 	// prune deletes up to $1 expired markers, skipping rows locked by a
 	// concurrent pruner.
 	prune string
@@ -73,7 +75,8 @@ ON CONFLICT DO NOTHING RETURNING true`,
 		// bytea read as hex text: pgx decodes bytea text only in the hex
 		// output format, and the simple protocol reads text whatever
 		// bytea_output says.
-		read: `SELECT encode(fingerprint, 'hex'), encode(result, 'hex'), attempt FROM ` + table + ` WHERE id_hash = $1` + readCond,
+		read:   `SELECT encode(fingerprint, 'hex'), encode(result, 'hex'), attempt FROM ` + table + ` WHERE id_hash = $1` + readCond,
+		exists: `SELECT EXISTS (SELECT 1 FROM ` + table + ` WHERE id_hash = $1)`,
 		prune: `DELETE FROM ` + pruned + ` WHERE id_hash = ANY (ARRAY(
 	SELECT id_hash FROM ` + pruned + ` WHERE expires_at < now()
 	LIMIT $1 FOR UPDATE SKIP LOCKED))`,

@@ -114,8 +114,6 @@ type Middleware struct {
 	pool *pgxpool.Pool
 	d    *dedupactivity.Deduper
 	opts Options
-	// markerTable is the quoted, qualified marker table.
-	markerTable string
 }
 
 // New returns a Middleware storing its keys through pool. opts is checked;
@@ -144,12 +142,7 @@ func New(pool *pgxpool.Pool, opts Options) (*Middleware, error) {
 	if err != nil {
 		return nil, err
 	}
-	o := d.Options()
-	table := pgx.Identifier{o.Table}
-	if o.Schema != "" {
-		table = pgx.Identifier{o.Schema, o.Table}
-	}
-	return &Middleware{pool: pool, d: d, opts: opts, markerTable: table.Sanitize()}, nil
+	return &Middleware{pool: pool, d: d, opts: opts}, nil
 }
 
 // Deduper returns the Deduper holding the keys (for Migrate and Prune).
@@ -263,10 +256,9 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 // Applied says whether a request with key was applied: its handler
 // committed (and answered below 500). Before the keys' retention ends.
 func (m *Middleware) Applied(ctx context.Context, key string) (bool, error) {
-	h := m.identity(key).Hash()
-	var ok bool
-	if err := m.pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+m.markerTable+` WHERE id_hash = $1)`, h[:]).Scan(&ok); err != nil {
-		return false, fmt.Errorf("idemhttp: applied: %w", err)
+	ok, err := m.d.Applied(ctx, m.identity(key))
+	if err != nil {
+		return false, fmt.Errorf("idemhttp: %w", err)
 	}
 	return ok, nil
 }
