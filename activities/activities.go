@@ -16,14 +16,14 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.temporal.io/sdk/activity"
 	"go.temporal.io/sdk/temporal"
-	"go.temporal.io/sdk/worker"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 	"github.com/dedupactivity/dedupactivity/dedupactivity/outbox"
 	"github.com/dedupactivity/dedupactivity/migrations/ledger"
 )
 
-// Activity names, used to register and to call the activities.
+// Activity names: the method names, under which RegisterActivity registers
+// them.
 const (
 	DebitName  = "Debit"
 	CreditName = "Credit"
@@ -76,25 +76,48 @@ type ReceiptMessage struct {
 // "InsufficientFunds".
 var ErrInsufficientFunds = errors.New("insufficient funds")
 
-// Activities holds the activities' dependencies.
+// Activities holds the ledger's activities. Build it with New and register
+// it as any Temporal activities struct (worker.RegisterActivity(a), with
+// RegisterActivityWithOptions for a name prefix): Debit and Credit keep the
+// plain activity signature, so workflows call them by method reference,
+// as regular or local activities, and tests mock them with
+// env.OnActivity(a.Debit, ...). Each calls its effect wrapped by
+// dedupactivity, built once in New.
 type Activities struct {
-	Pool    *pgxpool.Pool
-	Deduper *dedupactivity.Deduper
-	// Outbox, when set, makes Credit enqueue a ReceiptMessage in its
-	// transaction, for the receipts service.
-	Outbox *outbox.Outbox
+	debit, credit func(context.Context, Posting) (Receipt, error)
+	outbox        *outbox.Outbox
 }
 
-// Register registers Debit and Credit, wrapped, on r.
-func (a *Activities) Register(r worker.ActivityRegistry) {
-	debit := dedupactivity.Wrap(a.Deduper, a.Debit)
-	r.RegisterActivityWithOptions(loseFirstCompletion(debit), activity.RegisterOptions{Name: DebitName})
-	dedupactivity.Register(r, a.Deduper, CreditName, a.Credit)
+// New returns the activities with their effects wrapped by d. When ob is
+// not nil, Credit enqueues a ReceiptMessage in its transaction, for the
+// receipts service.
+func New(d *dedupactivity.Deduper, ob *outbox.Outbox) *Activities {
+	a := &Activities{outbox: ob}
+	a.debit = dedupactivity.Wrap(d, DebitEffect)
+	a.credit = dedupactivity.Wrap(d, a.applyCredit)
+	return a
 }
 
-// Debit takes Amount from Account. It is a dedupactivity.EffectFunc: all its
-// writes go through tx.
-func (a *Activities) Debit(ctx context.Context, tx pgx.Tx, in Posting) (Receipt, error) {
+// Debit takes Amount from Account, once per event however often Temporal
+// delivers it. With Faults.LoseCompletion its first attempt reports a
+// failure after its effect committed, as a worker that dies before
+// reporting would.
+func (a *Activities) Debit(ctx context.Context, in Posting) (Receipt, error) {
+	r, err := a.debit(ctx, in)
+	if err == nil && in.Faults.LoseCompletion && activity.GetInfo(ctx).Attempt == 1 {
+		return Receipt{}, errors.New("injected fault: completion lost after commit")
+	}
+	return r, err
+}
+
+// Credit adds Amount to Account, once per event.
+func (a *Activities) Credit(ctx context.Context, in Posting) (Receipt, error) {
+	return a.credit(ctx, in)
+}
+
+// DebitEffect is Debit's effect, a dedupactivity.EffectFunc: all its writes
+// go through tx.
+func DebitEffect(ctx context.Context, tx pgx.Tx, in Posting) (Receipt, error) {
 	r, err := post(ctx, tx, in, "debit", -in.Amount)
 	if err != nil {
 		var pgErr interface{ SQLState() string }
@@ -105,11 +128,18 @@ func (a *Activities) Debit(ctx context.Context, tx pgx.Tx, in Posting) (Receipt,
 	return r, err
 }
 
-// Credit adds Amount to Account.
-func (a *Activities) Credit(ctx context.Context, tx pgx.Tx, in Posting) (Receipt, error) {
-	r, err := post(ctx, tx, in, "credit", in.Amount)
-	if err == nil && a.Outbox != nil {
-		_, err = a.Outbox.Enqueue(ctx, tx, outbox.Message{Destination: ReceiptsDestination, Name: "receipt",
+// CreditEffect is the posting of Credit's effect, a
+// dedupactivity.EffectFunc.
+func CreditEffect(ctx context.Context, tx pgx.Tx, in Posting) (Receipt, error) {
+	return post(ctx, tx, in, "credit", in.Amount)
+}
+
+// applyCredit is Credit's effect: the posting and, with an outbox, the
+// receipt message, in one transaction.
+func (a *Activities) applyCredit(ctx context.Context, tx pgx.Tx, in Posting) (Receipt, error) {
+	r, err := CreditEffect(ctx, tx, in)
+	if err == nil && a.outbox != nil {
+		_, err = a.outbox.Enqueue(ctx, tx, outbox.Message{Destination: ReceiptsDestination, Name: "receipt",
 			Payload: ReceiptMessage{TransferID: in.TransferID, Account: in.Account, Amount: in.Amount, CreditEntryID: r.EntryID}})
 	}
 	if err == nil && in.Faults.StallCredit > 0 && activity.GetInfo(ctx).Attempt == 1 {
@@ -131,18 +161,6 @@ func post(ctx context.Context, tx pgx.Tx, in Posting, kind string, delta int64) 
 		return r, fmt.Errorf("update balance of %q: %w", in.Account, err)
 	}
 	return r, nil
-}
-
-// loseFirstCompletion reports a failure after the first attempt's effect
-// committed when the input asks for it.
-func loseFirstCompletion(fn func(context.Context, Posting) (Receipt, error)) func(context.Context, Posting) (Receipt, error) {
-	return func(ctx context.Context, in Posting) (Receipt, error) {
-		r, err := fn(ctx, in)
-		if err == nil && in.Faults.LoseCompletion && activity.GetInfo(ctx).Attempt == 1 {
-			return Receipt{}, errors.New("injected fault: completion lost after commit")
-		}
-		return r, err
-	}
 }
 
 // Migrate creates the ledger schema (idempotent).

@@ -3,6 +3,12 @@ package activities_test
 import (
 	"context"
 	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"go.temporal.io/sdk/activity"
+	"go.temporal.io/sdk/workflow"
 
 	"github.com/stretchr/testify/require"
 	"go.temporal.io/sdk/temporal"
@@ -16,6 +22,13 @@ import (
 func TestMain(m *testing.M) { pgtest.Main(m) }
 
 func setup(t *testing.T) (*testsuite.TestActivityEnvironment, *pgtest.Schema) {
+	env, s, _ := setupActs(t)
+	return env, s
+}
+
+// setupActs migrates a schema of the test's own and registers the
+// activities struct on an activity test environment, as a worker does.
+func setupActs(t *testing.T) (*testsuite.TestActivityEnvironment, *pgtest.Schema, *activities.Activities) {
 	t.Helper()
 	s := pgtest.NewSchema(t)
 	ctx := context.Background()
@@ -27,8 +40,9 @@ func setup(t *testing.T) (*testsuite.TestActivityEnvironment, *pgtest.Schema) {
 	require.NoError(t, activities.OpenAccounts(ctx, s.Pool, 100, "a", "b"))
 	var suite testsuite.WorkflowTestSuite
 	env := suite.NewTestActivityEnvironment()
-	(&activities.Activities{Pool: s.Pool, Deduper: d}).Register(env)
-	return env, s
+	acts := activities.New(d, nil)
+	env.RegisterActivity(acts)
+	return env, s, acts
 }
 
 func TestDebit(t *testing.T) {
@@ -96,4 +110,84 @@ func TestAuditAndCheck(t *testing.T) {
 	require.Contains(t, problem, "1 debits, 0 credits")
 	problem, _ = ledger["none"].Check("none", false, activities.Receipt{}, activities.Receipt{})
 	require.Empty(t, problem, "a transfer that never completed and applied nothing is fine")
+}
+
+func (l ledgerCount) n(t *testing.T, kind string) int {
+	t.Helper()
+	var n int
+	require.NoError(t, l.QueryRow(context.Background(), `SELECT count(*) FROM ledger_entry WHERE kind = $1`, kind).Scan(&n))
+	return n
+}
+
+type ledgerCount struct{ *pgxpool.Pool }
+
+// TestStructActivitiesRegisterAsUsual: the activities struct registers with
+// RegisterActivity (and a name prefix), is called by method reference, and
+// its wrapped methods are deduplicated: each event applies once.
+func TestStructActivitiesRegisterAsUsual(t *testing.T) {
+	t.Parallel()
+	_, s, acts := setupActs(t)
+	in := activities.Posting{TransferID: "t", Account: "a", Amount: 10}
+	for range 2 { // by method reference; the second delivery is a duplicate
+		// A new environment has the same workflow, run and activity IDs:
+		// the same event.
+		var suite testsuite.WorkflowTestSuite
+		env := suite.NewTestActivityEnvironment()
+		env.RegisterActivity(acts)
+		val, err := env.ExecuteActivity(acts.Debit, in)
+		require.NoError(t, err)
+		var r activities.Receipt
+		require.NoError(t, val.Get(&r))
+		require.Equal(t, int64(90), r.Balance)
+	}
+	require.Equal(t, 1, ledgerCount{s.Pool}.n(t, "debit"))
+
+	// Every test environment has the same IDs: a table of its own keeps
+	// this event apart from the debit above.
+	d, err := dedupactivity.New(s.Pool, dedupactivity.Options{Table: "prefixed"})
+	require.NoError(t, err)
+	require.NoError(t, d.Migrate(context.Background()))
+	var suite testsuite.WorkflowTestSuite
+	prefixed := suite.NewTestActivityEnvironment()
+	prefixed.RegisterActivityWithOptions(activities.New(d, nil), activity.RegisterOptions{Name: "Ledger."})
+	_, err = prefixed.ExecuteActivity("Ledger.Credit", activities.Posting{TransferID: "t", Account: "b", Amount: 1})
+	require.NoError(t, err)
+	require.Equal(t, 1, ledgerCount{s.Pool}.n(t, "credit"))
+}
+
+// localTwice runs Debit as a local activity twice in one workflow: two
+// events (the local activity counter gives them different IDs).
+func localTwice(ctx workflow.Context, in activities.Posting) ([]activities.Receipt, error) {
+	ctx = workflow.WithLocalActivityOptions(ctx, workflow.LocalActivityOptions{StartToCloseTimeout: 10 * time.Second})
+	var a *activities.Activities
+	out := make([]activities.Receipt, 2)
+	for i := range out {
+		if err := workflow.ExecuteLocalActivity(ctx, a.Debit, in).Get(ctx, &out[i]); err != nil {
+			return nil, err
+		}
+	}
+	return out, nil
+}
+
+// TestStructActivityAsLocalActivity: a method of the struct runs as a local
+// activity, with a local-activity identity.
+func TestStructActivityAsLocalActivity(t *testing.T) {
+	t.Parallel()
+	_, s, acts := setupActs(t)
+	var suite testsuite.WorkflowTestSuite
+	env := suite.NewTestWorkflowEnvironment()
+	env.RegisterActivity(acts)
+	env.RegisterWorkflow(localTwice)
+	env.ExecuteWorkflow(localTwice, activities.Posting{TransferID: "t", Account: "a", Amount: 1})
+	require.True(t, env.IsWorkflowCompleted())
+	require.NoError(t, env.GetWorkflowError())
+	var rs []activities.Receipt
+	require.NoError(t, env.GetWorkflowResult(&rs))
+	require.Equal(t, []int64{99, 98}, []int64{rs[0].Balance, rs[1].Balance})
+	var kinds []int
+	rows, err := s.Pool.Query(context.Background(), `SELECT get_byte(identity, 1) FROM dedup_marker`)
+	require.NoError(t, err)
+	kinds, err = pgx.CollectRows(rows, pgx.RowTo[int])
+	require.NoError(t, err)
+	require.Equal(t, []int{int(dedupactivity.KindLocalActivity), int(dedupactivity.KindLocalActivity)}, kinds)
 }

@@ -58,11 +58,12 @@ func TransferWorkflow(ctx workflow.Context, req TransferRequest) (TransferResult
 	ctx = workflow.WithActivityOptions(ctx, ActivityOptions(req.StartToClose))
 	var res TransferResult
 	debit := activities.Posting{TransferID: req.TransferID, Account: req.From, Amount: req.Amount, Faults: req.Faults}
-	if err := workflow.ExecuteActivity(ctx, activities.DebitName, debit).Get(ctx, &res.Debit); err != nil {
+	var a *activities.Activities // methods referenced by name; the worker holds the real one
+	if err := workflow.ExecuteActivity(ctx, a.Debit, debit).Get(ctx, &res.Debit); err != nil {
 		return res, err
 	}
 	credit := activities.Posting{TransferID: req.TransferID, Account: req.To, Amount: req.Amount, Faults: req.Faults}
-	if err := workflow.ExecuteActivity(ctx, activities.CreditName, credit).Get(ctx, &res.Credit); err != nil {
+	if err := workflow.ExecuteActivity(ctx, a.Credit, credit).Get(ctx, &res.Credit); err != nil {
 		return res, err
 	}
 	return res, nil

@@ -1,13 +1,11 @@
 package workflows_test
 
 import (
-	"context"
 	"errors"
 	"testing"
 
 	"github.com/stretchr/testify/mock"
 	"github.com/stretchr/testify/require"
-	"go.temporal.io/sdk/activity"
 	"go.temporal.io/sdk/temporal"
 	"go.temporal.io/sdk/testsuite"
 	"go.temporal.io/sdk/workflow"
@@ -16,27 +14,26 @@ import (
 	"github.com/dedupactivity/dedupactivity/workflows"
 )
 
+// acts is an activities struct with no database: its methods are only
+// registered and referenced, the mocks answer for them.
+var acts = &activities.Activities{}
+
 func newEnv(t *testing.T) *testsuite.TestWorkflowEnvironment {
 	t.Helper()
 	var s testsuite.WorkflowTestSuite
 	env := s.NewTestWorkflowEnvironment()
 	env.RegisterWorkflowWithOptions(workflows.TransferWorkflow, workflow.RegisterOptions{Name: workflows.TransferWorkflowName})
-	// Stand-ins registered under the real names; the mocks decide results.
-	env.RegisterActivityWithOptions(func(context.Context, activities.Posting) (activities.Receipt, error) {
-		return activities.Receipt{}, nil
-	}, activity.RegisterOptions{Name: activities.DebitName})
-	env.RegisterActivityWithOptions(func(context.Context, activities.Posting) (activities.Receipt, error) {
-		return activities.Receipt{}, nil
-	}, activity.RegisterOptions{Name: activities.CreditName})
+	// The activities struct, never called: the mocks decide results.
+	env.RegisterActivity(acts)
 	return env
 }
 
 func TestTransferWorkflowDebitsThenCredits(t *testing.T) {
 	t.Parallel()
 	env := newEnv(t)
-	env.OnActivity(activities.DebitName, mock.Anything, activities.Posting{TransferID: "t1", Account: "a", Amount: 5}).
+	env.OnActivity(acts.Debit, mock.Anything, activities.Posting{TransferID: "t1", Account: "a", Amount: 5}).
 		Return(activities.Receipt{EntryID: 1, Account: "a", Balance: 95, Attempt: 1}, nil).Once()
-	env.OnActivity(activities.CreditName, mock.Anything, activities.Posting{TransferID: "t1", Account: "b", Amount: 5}).
+	env.OnActivity(acts.Credit, mock.Anything, activities.Posting{TransferID: "t1", Account: "b", Amount: 5}).
 		Return(activities.Receipt{EntryID: 2, Account: "b", Balance: 105, Attempt: 1}, nil).Once()
 
 	env.ExecuteWorkflow(workflows.TransferWorkflowName, workflows.TransferRequest{TransferID: "t1", From: "a", To: "b", Amount: 5})
@@ -52,9 +49,9 @@ func TestTransferWorkflowDebitsThenCredits(t *testing.T) {
 func TestTransferWorkflowRetriesThenFailsOnInsufficientFunds(t *testing.T) {
 	t.Parallel()
 	env := newEnv(t)
-	env.OnActivity(activities.DebitName, mock.Anything, mock.Anything).
+	env.OnActivity(acts.Debit, mock.Anything, mock.Anything).
 		Return(activities.Receipt{}, errors.New("transient")).Once()
-	env.OnActivity(activities.DebitName, mock.Anything, mock.Anything).
+	env.OnActivity(acts.Debit, mock.Anything, mock.Anything).
 		Return(activities.Receipt{}, temporal.NewNonRetryableApplicationError("insufficient funds", "InsufficientFunds", nil)).Once()
 
 	env.ExecuteWorkflow(workflows.TransferWorkflowName, workflows.TransferRequest{TransferID: "t2", From: "a", To: "b", Amount: 500})

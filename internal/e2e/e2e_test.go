@@ -45,7 +45,7 @@ type bundle struct {
 
 // setup starts a ledger worker in this process on its own task queue and
 // schema, with spans recorded.
-func setup(t *testing.T, register func(worker.Registry, *dedupactivity.Deduper, *activities.Activities)) *bundle {
+func setup(t *testing.T, register func(worker.Registry, *dedupactivity.Deduper, *pgxpool.Pool)) *bundle {
 	t.Helper()
 	srv := temporaltest.Require(t)
 	s := pgtest.NewSchema(t)

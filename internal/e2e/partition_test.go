@@ -3,6 +3,7 @@ package e2e
 import (
 	"context"
 	"errors"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"sync"
 	"testing"
 	"time"
@@ -31,12 +32,12 @@ func TestPartitionedDuplicateAfterBoundary(t *testing.T) {
 		started   []time.Time
 		dp        *dedupactivity.Deduper
 	)
-	b := setup(t, func(r worker.Registry, _ *dedupactivity.Deduper, a *activities.Activities) {
+	b := setup(t, func(r worker.Registry, _ *dedupactivity.Deduper, pool *pgxpool.Pool) {
 		var err error
-		dp, err = dedupactivity.New(a.Pool, dedupactivity.Options{Table: "dedup_part", PartitionInterval: interval, PartitionsAhead: 5})
+		dp, err = dedupactivity.New(pool, dedupactivity.Options{Table: "dedup_part", PartitionInterval: interval, PartitionsAhead: 5})
 		require.NoError(t, err)
 		require.NoError(t, dp.Migrate(context.Background()))
-		wrapped := dedupactivity.Wrap(dp, a.Credit)
+		wrapped := dedupactivity.Wrap(dp, activities.CreditEffect)
 		r.RegisterActivityWithOptions(func(ctx context.Context, in activities.Posting) (activities.Receipt, error) {
 			info := activity.GetInfo(ctx)
 			mu.Lock()

@@ -3,6 +3,7 @@ package e2e
 import (
 	"context"
 	"errors"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"testing"
 	"time"
 
@@ -23,8 +24,8 @@ import (
 // transfer across runs.
 const debitOnceName = "DebitOnce"
 
-func registerRuns(r worker.Registry, d *dedupactivity.Deduper, a *activities.Activities) {
-	dedupactivity.Register(r, d, debitOnceName, a.Debit,
+func registerRuns(r worker.Registry, d *dedupactivity.Deduper, pool *pgxpool.Pool) {
+	dedupactivity.Register(r, d, debitOnceName, activities.DebitEffect,
 		dedupactivity.WithBusinessKey(func(p activities.Posting) (string, error) { return p.TransferID, nil }))
 	r.RegisterWorkflowWithOptions(twoDebitsWorkflow, workflow.RegisterOptions{Name: "TwoDebits"})
 	r.RegisterWorkflowWithOptions(localAndRegularWorkflow, workflow.RegisterOptions{Name: "LocalAndRegular"})

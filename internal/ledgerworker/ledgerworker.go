@@ -77,7 +77,7 @@ type Config struct {
 	Relay outbox.RelayConfig
 	// Register, when set, registers more workflows and activities before
 	// the worker starts (tests use it).
-	Register func(r worker.Registry, d *dedupactivity.Deduper, a *activities.Activities)
+	Register func(r worker.Registry, d *dedupactivity.Deduper, pool *pgxpool.Pool)
 }
 
 // ConfigFromEnv reads Config from the environment, with the defaults above.
@@ -244,7 +244,6 @@ func Start(ctx context.Context, cfg Config, tel *Telemetry) (_ *Worker, err erro
 		WorkerStopTimeout:                  10 * time.Second,
 	})
 	w.RegisterWorkflowWithOptions(workflows.TransferWorkflow, workflow.RegisterOptions{Name: workflows.TransferWorkflowName})
-	acts := &activities.Activities{Pool: pool, Deduper: d}
 	var relay *outbox.Relay
 	var rc *outbox.Reconciler
 	if cfg.ReceiptsURL != "" {
@@ -252,11 +251,15 @@ func Start(ctx context.Context, cfg Config, tel *Telemetry) (_ *Worker, err erro
 			c.Close()
 			return nil, err
 		}
-		acts.Outbox = relay.Outbox()
 		outbox.RegisterRelay(w, relay)
 		outbox.RegisterReconciler(w, rc)
 	}
-	acts.Register(w)
+	var ob *outbox.Outbox
+	if relay != nil {
+		ob = relay.Outbox()
+	}
+	acts := activities.New(d, ob)
+	w.RegisterActivity(acts)
 	dedupactivity.RegisterPruner(w, d)
 	for _, name := range []string{activities.DebitName, activities.CreditName} {
 		if warning := dedupactivity.RedeliveryWarning(name, workflows.ActivityOptions(0), cmp.Or(cfg.Dedup.Retention, dedupactivity.DefaultRetention)); warning != "" {
@@ -264,7 +267,7 @@ func Start(ctx context.Context, cfg Config, tel *Telemetry) (_ *Worker, err erro
 		}
 	}
 	if cfg.Register != nil {
-		cfg.Register(w, d, acts)
+		cfg.Register(w, d, pool)
 	}
 	if err := w.Start(); err != nil {
 		c.Close()

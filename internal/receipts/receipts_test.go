@@ -40,14 +40,14 @@ func TestCreditSendsOneReceipt(t *testing.T) {
 	ob, err := outbox.New(ledger.Pool, outbox.Options{})
 	require.NoError(t, err)
 	require.NoError(t, ob.Migrate(ctx))
-	acts := &activities.Activities{Pool: ledger.Pool, Deduper: d, Outbox: ob}
+	acts := activities.New(d, ob)
 
 	in := activities.Posting{TransferID: "t1", Account: "b", Amount: 7}
 	for range 2 { // the same event delivered twice
 		var suite testsuite.WorkflowTestSuite
 		env := suite.NewTestActivityEnvironment()
-		acts.Register(env)
-		_, err := env.ExecuteActivity(activities.CreditName, in)
+		env.RegisterActivity(acts)
+		_, err := env.ExecuteActivity(acts.Credit, in)
 		require.NoError(t, err)
 	}
 	st, err := ob.Stats(ctx)
