@@ -230,3 +230,42 @@ func TestRedeliveryWarning(t *testing.T) {
 		})
 	}
 }
+
+// TestReservedWordNames: any lower-case identifier works as Schema and
+// Table, reserved words included, in both layouts.
+func TestReservedWordNames(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t)
+	ctx := context.Background()
+	t.Cleanup(func() { _, _ = s.Pool.Exec(context.Background(), `DROP SCHEMA IF EXISTS "select" CASCADE`) })
+	for _, opts := range []dedupactivity.Options{
+		{Table: "user"},
+		{Schema: "select", Table: "order"},
+		{Table: "table", PartitionInterval: time.Hour},
+	} {
+		d, err := dedupactivity.New(s.Pool, opts)
+		require.NoError(t, err)
+		require.NoError(t, d.Migrate(ctx), "%+v", opts)
+		fn := dedupactivity.Wrap(d, func(ctx context.Context, tx pgx.Tx, in int) (int, error) { return in, nil })
+		var suite testsuite.WorkflowTestSuite
+		deliveries := 2
+		if opts.PartitionInterval > 0 {
+			deliveries = 1 // each test environment schedules at its own time: another event there
+		}
+		for range deliveries {
+			env := suite.NewTestActivityEnvironment()
+			env.RegisterActivityWithOptions(fn, activity.RegisterOptions{Name: "Post"})
+			_, err := env.ExecuteActivity("Post", 1)
+			require.NoError(t, err)
+		}
+		_, err = d.Prune(ctx)
+		require.NoError(t, err)
+		table := pgx.Identifier{opts.Table}
+		if opts.Schema != "" {
+			table = pgx.Identifier{opts.Schema, opts.Table}
+		}
+		var n int
+		require.NoError(t, s.Pool.QueryRow(ctx, `SELECT count(*) FROM `+table.Sanitize()).Scan(&n))
+		require.Equal(t, 1, n, "%+v", opts)
+	}
+}

@@ -9,10 +9,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"net"
 	"os"
 	"strings"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/exporters/otlp/otlpmetric/otlpmetricgrpc"
@@ -213,10 +216,13 @@ func Start(ctx context.Context, cfg Config, tel *Telemetry) (_ *Worker, err erro
 	if err != nil {
 		return nil, err
 	}
-	if err := d.Migrate(ctx); err != nil {
+	// At start the database may be restarting or failing over: retry
+	// what a retry can fix, with backoff, as the Temporal client's dial
+	// does.
+	if err := Retry(ctx, time.Minute, d.Migrate); err != nil {
 		return nil, fmt.Errorf("migrate markers: %w", err)
 	}
-	if err := activities.Migrate(ctx, pool); err != nil {
+	if err := Retry(ctx, time.Minute, func(ctx context.Context) error { return activities.Migrate(ctx, pool) }); err != nil {
 		return nil, fmt.Errorf("migrate ledger: %w", err)
 	}
 
@@ -301,7 +307,7 @@ func outboxFor(ctx context.Context, cfg Config, pool *pgxpool.Pool, tel *Telemet
 	if err != nil {
 		return nil, nil, err
 	}
-	if err := ob.Migrate(ctx); err != nil {
+	if err := Retry(ctx, time.Minute, ob.Migrate); err != nil {
 		return nil, nil, fmt.Errorf("migrate outbox: %w", err)
 	}
 	base := strings.TrimSuffix(cfg.ReceiptsURL, "/")
@@ -344,4 +350,37 @@ func (w *Worker) Stop() {
 	}
 	w.Client.Close()
 	w.Pool.Close()
+}
+
+// Retry runs fn until it succeeds, fails with an error a retry cannot fix,
+// ctx ends, or giveUp has passed, backing off from 100ms to 5s between
+// tries. Errors worth a retry are the connection's (refused, reset, closed)
+// and the server's own shutdown, start-up and fail-over states (SQLSTATE
+// classes 08 and 57P, and 25006 on a standby about to be promoted).
+func Retry(ctx context.Context, giveUp time.Duration, fn func(context.Context) error) error {
+	deadline := time.Now().Add(giveUp)
+	wait := 100 * time.Millisecond
+	for {
+		err := fn(ctx)
+		if err == nil || !transient(err) || time.Now().Add(wait).After(deadline) {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return errors.Join(err, ctx.Err())
+		case <-time.After(wait):
+		}
+		wait = min(2*wait, 5*time.Second)
+	}
+}
+
+func transient(err error) bool {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return strings.HasPrefix(pgErr.Code, "08") || strings.HasPrefix(pgErr.Code, "57P") || pgErr.Code == "25006"
+	}
+	var netErr net.Error
+	var connectErr *pgconn.ConnectError
+	return errors.As(err, &netErr) || errors.As(err, &connectErr) || pgconn.SafeToRetry(err) ||
+		errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF)
 }

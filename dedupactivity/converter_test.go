@@ -1,0 +1,92 @@
+package dedupactivity_test
+
+import (
+	"context"
+	"sync"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+	commonpb "go.temporal.io/api/common/v1"
+	"go.temporal.io/sdk/converter"
+
+	"github.com/dedupactivity/dedupactivity/dedupactivity"
+)
+
+// contextConverter is a context-aware DataConverter, as one that encrypts
+// with a key per workflow would be: it marks every payload with the
+// workflow ID of its serialization context and records the contexts it
+// was given.
+type contextConverter struct {
+	converter.DataConverter
+	workflowID string
+	seen       *[]converter.SerializationContext
+	mu         *sync.Mutex
+}
+
+func (c contextConverter) WithSerializationContext(sc converter.SerializationContext) converter.DataConverter {
+	c.mu.Lock()
+	*c.seen = append(*c.seen, sc)
+	c.mu.Unlock()
+	if ac, ok := sc.(converter.ActivitySerializationContext); ok {
+		c.workflowID = ac.WorkflowID
+	}
+	return c
+}
+
+func (c contextConverter) ToPayload(v any) (*commonpb.Payload, error) {
+	p, err := c.DataConverter.ToPayload(v)
+	if err == nil {
+		p.Metadata["workflow-id"] = []byte(c.workflowID)
+	}
+	return p, err
+}
+
+// TestDataConverterWithSerializationContext: a context-aware converter gets
+// the activity's serialization context for the stored result, as the SDK
+// gives it for the activity result, and a duplicate decodes it back.
+func TestDataConverterWithSerializationContext(t *testing.T) {
+	t.Parallel()
+	var seen []converter.SerializationContext
+	dc := contextConverter{DataConverter: converter.GetDefaultDataConverter(), seen: &seen, mu: &sync.Mutex{}}
+	b := setup(t, dedupactivity.Options{DataConverter: dc})
+	fn := dedupactivity.Wrap(b.d, b.post)
+	first, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 3})
+	require.NoError(t, err)
+	second, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 3})
+	require.NoError(t, err)
+	require.Equal(t, first, second)
+
+	var raw []byte
+	require.NoError(t, b.pool.QueryRow(context.Background(), `SELECT result FROM dedup_marker`).Scan(&raw))
+	require.Contains(t, string(raw), "default-test-workflow-id", "the stored payload was encoded with the activity's context")
+	require.NotEmpty(t, seen)
+	for _, sc := range seen {
+		ac, ok := sc.(converter.ActivitySerializationContext)
+		require.True(t, ok, "%T", sc)
+		require.Equal(t, "Post", ac.ActivityType)
+		require.Equal(t, "default-test-workflow-id", ac.WorkflowID)
+		require.NotEmpty(t, ac.TaskQueue)
+	}
+}
+
+// TestDoReturnsTheSameValueFirstAndAgain: Do returns a first delivery's
+// result as a duplicate would see it, decoded by the data converter, so the
+// two are equal even for types the converter does not round-trip (an int64
+// in an any becomes a float64).
+func TestDoReturnsTheSameValueFirstAndAgain(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "k"}
+	effect := func(ctx context.Context, tx pgx.Tx, in int) (map[string]any, error) {
+		return map[string]any{"n": int64(in)}, nil
+	}
+	first, outcome, err := dedupactivity.Do(context.Background(), b.d, id, 7, effect)
+	require.NoError(t, err)
+	require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
+	again, outcome, err := dedupactivity.Do(context.Background(), b.d, id, 7, effect)
+	require.NoError(t, err)
+	require.Equal(t, dedupactivity.OutcomeDuplicate, outcome)
+	require.Equal(t, again, first)
+	require.IsType(t, float64(0), first["n"])
+}

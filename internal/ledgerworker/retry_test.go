@@ -1,0 +1,49 @@
+package ledgerworker_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/dedupactivity/dedupactivity/dedupactivity"
+	"github.com/dedupactivity/dedupactivity/internal/ledgerworker"
+	"github.com/dedupactivity/dedupactivity/internal/pgtest"
+)
+
+// TestMigrationRetriesWhileTheServerRestarts: a worker starting while
+// PostgreSQL is down (a restart, a fail-over) keeps trying its migration
+// with backoff and succeeds once the server is back; an error a retry cannot
+// fix is returned at once.
+func TestMigrationRetriesWhileTheServerRestarts(t *testing.T) {
+	t.Parallel()
+	c := pgtest.NewCluster(t)
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, c.URL())
+	require.NoError(t, err)
+	defer pool.Close()
+	d, err := dedupactivity.New(pool, dedupactivity.Options{})
+	require.NoError(t, err)
+
+	require.NoError(t, c.Stop())
+	require.Error(t, d.Migrate(ctx), "without a retry the start fails")
+	done := make(chan error, 1)
+	go func() { done <- ledgerworker.Retry(ctx, time.Minute, d.Migrate) }()
+	time.Sleep(time.Second)
+	require.NoError(t, c.Start())
+	require.NoError(t, <-done)
+	var ok bool
+	require.NoError(t, pool.QueryRow(ctx, `SELECT to_regclass('dedup_marker') IS NOT NULL`).Scan(&ok))
+	require.True(t, ok)
+
+	_, err = pool.Exec(ctx, `INSERT INTO dedup_marker_migration (version, name) VALUES (999, 'newer')`)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `ALTER TABLE dedup_marker DROP COLUMN result`)
+	require.NoError(t, err)
+	began := time.Now()
+	err = ledgerworker.Retry(ctx, time.Minute, d.Migrate)
+	require.ErrorIs(t, err, dedupactivity.ErrSchemaTooNew)
+	require.Less(t, time.Since(began), 5*time.Second, "not retried")
+}
