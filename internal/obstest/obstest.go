@@ -424,3 +424,54 @@ func (p *Prometheus) Query(ctx context.Context, promql string) ([]Sample, error)
 	}
 	return nil, fmt.Errorf("query %q: result type %s", promql, out.Data.ResultType)
 }
+
+// RedeliveredTrace returns the ID of the first trace in which a
+// RunActivity:<activityType> span has a Dedup:<activityType> child that
+// claimed the event and another RunActivity:<activityType> span has one that
+// was a duplicate: one activity, delivered twice, applied once.
+func RedeliveredTrace(traces []Trace, activityType string) (string, bool) {
+	for _, tr := range traces {
+		runActivity := map[string]bool{}
+		for _, s := range tr.Spans {
+			if s.OperationName == "RunActivity:"+activityType {
+				runActivity[s.SpanID] = true
+			}
+		}
+		outcomes := map[string]bool{}
+		for _, s := range tr.Spans {
+			if s.OperationName == "Dedup:"+activityType && runActivity[s.Parent()] {
+				outcomes[s.Tag("dedup.outcome")] = true
+			}
+		}
+		if outcomes["claimed"] && outcomes["duplicate"] {
+			return tr.TraceID, true
+		}
+	}
+	return "", false
+}
+
+// Summary is one line on what Jaeger holds for service: traces, spans, and
+// Dedup spans by outcome (over up to limit traces).
+func (j *Jaeger) Summary(ctx context.Context, service string, limit int) (string, error) {
+	traces, err := j.Traces(ctx, service, nil, limit)
+	if err != nil {
+		return "", err
+	}
+	spans := 0
+	byOutcome := map[string]int{}
+	for _, tr := range traces {
+		spans += len(tr.Spans)
+		for _, s := range tr.Spans {
+			if o := s.Tag("dedup.outcome"); o != "" {
+				byOutcome[o]++
+			}
+		}
+	}
+	var parts []string
+	for _, o := range []string{"claimed", "duplicate", "payload_mismatch", "effect_error", "claim_timeout", "error"} {
+		if byOutcome[o] > 0 {
+			parts = append(parts, fmt.Sprintf("%s %d", o, byOutcome[o]))
+		}
+	}
+	return fmt.Sprintf("Jaeger holds %d traces of %s with %d spans; Dedup spans by outcome: %s", len(traces), service, spans, strings.Join(parts, ", ")), nil
+}
