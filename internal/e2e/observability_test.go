@@ -101,6 +101,16 @@ func TestObservabilityBackends(t *testing.T) {
 	require.Len(t, joined, 1, "Debit failed once (the lost completion) and joins its dedup attempts")
 	require.Equal(t, activities.DebitName, joined[0].Metric["activity_type"])
 
+	// Prune one expired marker, so the pruned counter has a value; then run
+	// the dashboard's queries.
+	_, err = s.Pool.Exec(ctx, `UPDATE dedup_marker SET expires_at = now() - interval '1 second' WHERE id_hash = (SELECT id_hash FROM dedup_marker LIMIT 1)`)
+	require.NoError(t, err)
+	n, err := w.Deduper.Prune(ctx)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), n)
+	require.Eventually(t, func() bool { return len(query(`dedup_markers_pruned_total`)) > 0 }, 30*time.Second, 250*time.Millisecond)
+	checkDashboard(t, p)
+
 	// Jaeger: flush the spans, then find one trace holding both children.
 	require.NoError(t, tel.TracerProvider.(*sdktrace.TracerProvider).ForceFlush(ctx))
 	var found bool
