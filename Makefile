@@ -5,6 +5,7 @@ GO        ?= go
 BIN       := $(CURDIR)/bin
 TEMPORAL  := $(BIN)/temporal
 TEMPORAL_CLI_VERSION := v1.5.1
+JAEGER    := $(BIN)/jaeger
 export PATH := $(BIN):$(PATH)
 
 .PHONY: help
@@ -18,12 +19,23 @@ $(TEMPORAL):
 .PHONY: temporal-cli
 temporal-cli: $(TEMPORAL) ## Build the Temporal CLI (dev server) into bin/ if missing.
 
+$(JAEGER): tools/jaeger/go.mod
+	@echo "building Jaeger v2 (tools/jaeger pins the version) into bin/ (about 4 minutes, once)"
+	cd tools/jaeger && $(GO) build -o $(JAEGER) github.com/jaegertracing/jaeger/cmd/jaeger
+
+.PHONY: jaeger
+jaeger: $(JAEGER) ## Build Jaeger v2 (trace backend for demo-traces and the tests) into bin/ if missing.
+
 .PHONY: demo
 demo: $(TEMPORAL) ## Run the main job: transfers with injected redeliveries on embedded PostgreSQL + Temporal.
 	$(GO) run ./cmd/demo $(DEMO_FLAGS)
 
+.PHONY: demo-traces
+demo-traces: $(TEMPORAL) $(JAEGER) ## The demo with Jaeger beside it: prints a trace link and what Jaeger holds, then serves it until Ctrl-C.
+	$(GO) run ./cmd/demo -traces -hold $(DEMO_FLAGS)
+
 .PHONY: test
-test: $(TEMPORAL) ## Run all tests (race detector) against real PostgreSQL and a real Temporal dev server.
+test: $(TEMPORAL) $(JAEGER) ## Run all tests (race detector) against real PostgreSQL and a real Temporal dev server.
 	$(GO) test -race -count=1 -timeout 30m ./...
 
 .PHONY: bench

@@ -33,13 +33,16 @@ func New(pool *pgxpool.Pool, opts Options) (*Deduper, error) {
 	if err := opts.validate(); err != nil {
 		return nil, err
 	}
-	tel, err := newTelemetry(opts.TracerProvider, opts.MeterProvider)
+	tel, err := newTelemetry(opts.TracerProvider, opts.MeterProvider, opts.TemporalMetrics, opts.Table)
 	if err != nil {
 		return nil, fmt.Errorf("dedupactivity: telemetry: %w", err)
 	}
 	d := &Deduper{pool: pool, opts: opts, tel: tel}
 	d.table = d.qualify(opts.Table)
 	d.store = newStore(d.table, opts.PartitionInterval > 0, d.qualify(opts.Table+"_default"))
+	if err := tel.observeOldest(d); err != nil {
+		return nil, fmt.Errorf("dedupactivity: telemetry: %w", err)
+	}
 	return d, nil
 }
 

@@ -99,3 +99,42 @@ const (
 	// (non-retryable).
 	ErrTypeEncoding = "DedupEncoding"
 )
+
+// error.type values of errors that stay plain Go errors at the activity edge.
+const (
+	errTypeNotMigrated = "DedupNotMigrated"
+	errTypeReadOnly    = "DedupReadOnly"
+)
+
+// errorClasses maps this package's sentinels to their ApplicationError type
+// and whether Temporal may retry them; toTemporal and the error.type
+// telemetry attribute both read it.
+var errorClasses = []struct {
+	sentinel     error
+	typ          string
+	nonRetryable bool
+}{
+	{ErrPayloadMismatch, ErrTypePayloadMismatch, true},
+	{ErrClaimTimeout, ErrTypeClaimTimeout, false},
+	{ErrNotActivity, ErrTypeInvalidUsage, true},
+	{ErrEmptyBusinessKey, ErrTypeInvalidUsage, true},
+	{ErrInvalidIdentity, ErrTypeInvalidUsage, true},
+	{ErrIdentityTooLarge, ErrTypeInvalidUsage, true},
+	{ErrInvalidOptions, ErrTypeInvalidUsage, true},
+	{ErrTxOwned, ErrTypeInvalidUsage, true},
+	{ErrTxEnded, ErrTypeInvalidUsage, true},
+	{ErrResultTooLarge, ErrTypeResultTooLarge, true},
+	{ErrEncoding, ErrTypeEncoding, true},
+	{ErrNotMigrated, errTypeNotMigrated, false},
+	{ErrReadOnly, errTypeReadOnly, false},
+}
+
+// classify finds the first of this package's sentinels err matches.
+func classify(err error) (typ string, nonRetryable, ok bool) {
+	for _, c := range errorClasses {
+		if errors.Is(err, c.sentinel) {
+			return c.typ, c.nonRetryable, true
+		}
+	}
+	return "", false, false
+}

@@ -145,6 +145,20 @@ type Options struct {
 	//
 	// Defaults to otel.GetMeterProvider().
 	MeterProvider metric.MeterProvider
+
+	// TemporalMetrics also records the attempt counter, the latency
+	// histograms and the pruned-markers counter through the activity's
+	// activity.GetMetricsHandler(ctx): the MetricsHandler of the worker's
+	// client.Options (Tally, Prometheus, ...), labelled by the SDK with
+	// activity_type, namespace, task_queue and workflow_type. Names are
+	// dedup_attempts (counter), dedup_claim_duration and
+	// dedup_effect_duration (timers) and dedup_markers_pruned (counter),
+	// labelled dedup_outcome and, on errors, error_type. Calls of Do outside
+	// an activity record through MeterProvider only. To record through the
+	// SDK's handler only, set MeterProvider to noop.NewMeterProvider().
+	//
+	// Defaults to false.
+	TemporalMetrics bool
 }
 
 var identRE = regexp.MustCompile(`^[a-z_][a-z0-9_]*$`)

@@ -42,6 +42,7 @@ func (d *Deduper) prune(ctx context.Context, afterBatch func(deleted int64)) (in
 			return n, err
 		}
 		deleted = n
+		d.tel.markersPruned(ctx, n)
 	}
 	for {
 		tag, err := d.pool.Exec(ctx, d.store.prune, PruneBatchSize)
@@ -49,6 +50,7 @@ func (d *Deduper) prune(ctx context.Context, afterBatch func(deleted int64)) (in
 			return deleted, fmt.Errorf("dedupactivity: prune: %w", interpretError(err, false))
 		}
 		deleted += tag.RowsAffected()
+		d.tel.markersPruned(ctx, tag.RowsAffected())
 		if afterBatch != nil {
 			afterBatch(deleted)
 		}

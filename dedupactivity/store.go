@@ -51,6 +51,9 @@ type store struct {
 	read string
 	// exists says whether a marker is committed.
 	exists string
+	// oldest is the age in seconds of the marker that expires first, read
+	// through the expiry index.
+	oldest string
 	// prune deletes up to $1 expired markers, skipping rows locked by a
 	// concurrent pruner.
 	prune string
@@ -77,6 +80,7 @@ ON CONFLICT DO NOTHING RETURNING true`,
 		// bytea_output says.
 		read:   `SELECT encode(fingerprint, 'hex'), encode(result, 'hex'), attempt FROM ` + table + ` WHERE id_hash = $1` + readCond,
 		exists: `SELECT EXISTS (SELECT 1 FROM ` + table + ` WHERE id_hash = $1)`,
+		oldest: `SELECT extract(epoch FROM now() - claimed_at)::float8 FROM ` + table + ` ORDER BY expires_at LIMIT 1`,
 		prune: `DELETE FROM ` + pruned + ` WHERE id_hash = ANY (ARRAY(
 	SELECT id_hash FROM ` + pruned + ` WHERE expires_at < now()
 	LIMIT $1 FOR UPDATE SKIP LOCKED))`,

@@ -1,24 +1,37 @@
 package dedupactivity
 
 import (
+	"cmp"
 	"context"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
 	"go.temporal.io/sdk/activity"
+	"go.temporal.io/sdk/client"
+	"go.temporal.io/sdk/temporal"
 )
 
 // ScopeName is the instrumentation scope of this package's tracer and meter.
 const ScopeName = "github.com/dedupactivity/dedupactivity/dedupactivity"
 
-// Span attribute keys set on every attempt's span.
+// Attribute keys. The Temporal IDs use the keys of the SDK's tracing
+// interceptor (go.temporal.io/sdk/interceptor: temporalWorkflowID,
+// temporalRunID, temporalActivityID), so one tag search in a trace backend
+// finds the SDK's RunActivity spans and these together. Activity type,
+// namespace and task queue use the labels of the SDK's own metrics
+// (activity_type, namespace, task_queue) on spans and metrics alike, so a
+// dashboard can join the two.
 const (
-	// OutcomeKey is the attempt's Outcome (claimed, duplicate, ...).
+	// OutcomeKey is the attempt's Outcome (claimed, duplicate, ...), on
+	// spans and metrics (dedup_outcome in Prometheus).
 	OutcomeKey = attribute.Key("dedup.outcome")
 	// IdentityKindKey is the identity's Kind (activity, local_activity,
 	// standalone, business_key).
@@ -33,36 +46,72 @@ const (
 	// StoredAttemptKey is, on a duplicate, the attempt number that applied
 	// the effect.
 	StoredAttemptKey = attribute.Key("dedup.stored.attempt")
-	// ActivityTypeKey is the Temporal activity type.
-	ActivityTypeKey = attribute.Key("temporal.activity.type")
-	// ActivityIDKey is the Temporal activity ID.
-	ActivityIDKey = attribute.Key("temporal.activity.id")
+	// ErrorTypeKey is the OpenTelemetry semantic convention error.type, set
+	// on spans and metrics of attempts that return an error (error_type in
+	// Prometheus). Its value is, in this order: the ErrType* constant of
+	// this package's error (DedupNotMigrated for ErrNotMigrated), the Type
+	// of a Temporal ApplicationError the effect returned, the SQLSTATE of a
+	// PostgreSQL error, context.Canceled or context.DeadlineExceeded, and
+	// otherwise _OTHER.
+	ErrorTypeKey = attribute.Key("error.type")
+	// ActivityTypeKey is the Temporal activity type: activity_type, the
+	// label of the SDK's metrics.
+	ActivityTypeKey = attribute.Key("activity_type")
+	// NamespaceKey is the Temporal namespace: namespace, the label of the
+	// SDK's metrics.
+	NamespaceKey = attribute.Key("namespace")
+	// TaskQueueKey is the activity's task queue: task_queue, the label of
+	// the SDK's metrics (empty outside an activity, in Do).
+	TaskQueueKey = attribute.Key("task_queue")
+	// ActivityIDKey is the Temporal activity ID, as the SDK's tracing
+	// interceptor tags it.
+	ActivityIDKey = attribute.Key("temporalActivityID")
+	// WorkflowIDKey is the workflow ID (empty for standalone activities),
+	// as the SDK's tracing interceptor tags it.
+	WorkflowIDKey = attribute.Key("temporalWorkflowID")
+	// RunIDKey is the workflow run ID (empty for standalone activities), as
+	// the SDK's tracing interceptor tags it.
+	RunIDKey = attribute.Key("temporalRunID")
 	// AttemptKey is the Temporal attempt number (starts at 1; not monotonic
 	// across activity resets).
 	AttemptKey = attribute.Key("temporal.activity.attempt")
-	// WorkflowIDKey is the workflow ID (empty for standalone activities).
-	WorkflowIDKey = attribute.Key("temporal.workflow.id")
-	// RunIDKey is the workflow run ID (empty for standalone activities).
-	RunIDKey = attribute.Key("temporal.run.id")
-	// NamespaceKey is the Temporal namespace.
-	NamespaceKey = attribute.Key("temporal.namespace")
 	// DBSystemKey is the OpenTelemetry semantic convention db.system.name,
 	// always "postgresql".
 	DBSystemKey = attribute.Key("db.system.name")
 )
 
-// Metric names.
+// Metric names (OpenTelemetry). The Prometheus exporter writes them as
+// dedup_attempts_total, dedup_claim_duration_seconds,
+// dedup_effect_duration_seconds, dedup_markers_pruned_total and
+// dedup_marker_oldest_age_seconds. Through the SDK's metrics handler
+// (Options.TemporalMetrics) the names have underscores for dots
+// (dedup_attempts, ...) and the labels are dedup_outcome and error_type.
 const (
-	// MetricAttempts counts wrapped attempts by dedup.outcome and
-	// temporal.activity.type. Unit {attempt}.
+	// MetricAttempts counts wrapped attempts by dedup.outcome,
+	// activity_type, namespace, task_queue and (on errors) error.type. Unit
+	// {attempt}.
 	MetricAttempts = "dedup.attempts"
 	// MetricClaimDuration is the time spent claiming an event, in seconds,
-	// by dedup.outcome and temporal.activity.type.
+	// with the attributes of MetricAttempts.
 	MetricClaimDuration = "dedup.claim.duration"
-	// MetricEffectDuration is the time the user's effect ran, in seconds, by
-	// dedup.outcome and temporal.activity.type.
+	// MetricEffectDuration is the time the user's effect ran, in seconds,
+	// with the attributes of MetricAttempts.
 	MetricEffectDuration = "dedup.effect.duration"
+	// MetricMarkersPruned counts markers deleted by Prune (rows deleted and
+	// rows of dropped partitions), by dedup.table. Unit {marker}.
+	MetricMarkersPruned = "dedup.markers.pruned"
+	// MetricOldestMarkerAge is, at each collection, the age in seconds of
+	// the marker that expires first (by dedup.table): with one retention
+	// for all activities that is the oldest marker. Above Retention plus
+	// the prune interval, pruning is not keeping up. It is read by one
+	// index-ordered query (ORDER BY expires_at LIMIT 1) per collection
+	// (each scrape or export), bounded to 2s; no observation when the
+	// table is empty or the query fails.
+	MetricOldestMarkerAge = "dedup.marker.oldest.age"
 )
+
+// TableKey is the marker table's name on the markers' metrics.
+const TableKey = attribute.Key("dedup.table")
 
 // Outcome is what one attempt did.
 type Outcome string
@@ -89,16 +138,34 @@ const (
 	OutcomeError Outcome = "error"
 )
 
+// Names and labels of the metrics recorded through the SDK's metrics handler
+// (Options.TemporalMetrics). The handler is the activity's, already labelled
+// by the SDK with activity_type, namespace, task_queue and workflow_type.
+const (
+	sdkMetricAttempts       = "dedup_attempts"
+	sdkMetricClaimDuration  = "dedup_claim_duration"
+	sdkMetricEffectDuration = "dedup_effect_duration"
+	sdkMetricMarkersPruned  = "dedup_markers_pruned"
+	sdkOutcomeTag           = "dedup_outcome"
+	sdkErrorTypeTag         = "error_type"
+	sdkTableTag             = "dedup_table"
+)
+
 type telemetry struct {
 	tracer   trace.Tracer
+	meter    metric.Meter
 	attempts metric.Int64Counter
 	claim    metric.Float64Histogram
 	effect   metric.Float64Histogram
+	pruned   metric.Int64Counter
+	// sdkMetrics also records through activity.GetMetricsHandler.
+	sdkMetrics bool
+	table      string
 }
 
-func newTelemetry(tp trace.TracerProvider, mp metric.MeterProvider) (*telemetry, error) {
+func newTelemetry(tp trace.TracerProvider, mp metric.MeterProvider, sdkMetrics bool, table string) (*telemetry, error) {
 	meter := mp.Meter(ScopeName)
-	t := &telemetry{tracer: tp.Tracer(ScopeName)}
+	t := &telemetry{tracer: tp.Tracer(ScopeName), meter: meter, sdkMetrics: sdkMetrics, table: table}
 	var err error
 	if t.attempts, err = meter.Int64Counter(MetricAttempts,
 		metric.WithDescription("Wrapped activity attempts by dedup outcome."),
@@ -116,13 +183,55 @@ func newTelemetry(tp trace.TracerProvider, mp metric.MeterProvider) (*telemetry,
 		metric.WithUnit("s"), buckets); err != nil {
 		return nil, fmt.Errorf("create %s: %w", MetricEffectDuration, err)
 	}
+	if t.pruned, err = meter.Int64Counter(MetricMarkersPruned,
+		metric.WithDescription("Expired markers deleted by Prune."),
+		metric.WithUnit("{marker}")); err != nil {
+		return nil, fmt.Errorf("create %s: %w", MetricMarkersPruned, err)
+	}
 	return t, nil
+}
+
+// observeOldest registers the MetricOldestMarkerAge gauge, read from d's
+// table at each collection.
+func (t *telemetry) observeOldest(d *Deduper) error {
+	attrs := metric.WithAttributes(TableKey.String(t.table))
+	_, err := t.meter.Float64ObservableGauge(MetricOldestMarkerAge,
+		metric.WithDescription("Age of the marker that expires first (the oldest, with one retention); read by an index-ordered query at each collection."),
+		metric.WithUnit("s"),
+		metric.WithFloat64Callback(func(ctx context.Context, o metric.Float64Observer) error {
+			ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+			defer cancel()
+			var age float64
+			if err := d.pool.QueryRow(ctx, d.store.oldest).Scan(&age); err != nil {
+				return nil // empty table, or the database is unreachable: no observation
+			}
+			o.Observe(age, attrs)
+			return nil
+		}))
+	if err != nil {
+		return fmt.Errorf("create %s: %w", MetricOldestMarkerAge, err)
+	}
+	return nil
+}
+
+// markersPruned records n markers pruned.
+func (t *telemetry) markersPruned(ctx context.Context, n int64) {
+	if n == 0 {
+		return
+	}
+	t.pruned.Add(ctx, n, metric.WithAttributes(TableKey.String(t.table)))
+	if t.sdkMetrics && activity.IsActivity(ctx) {
+		activity.GetMetricsHandler(ctx).WithTags(map[string]string{sdkTableTag: t.table}).Counter(sdkMetricMarkersPruned).Inc(n)
+	}
 }
 
 // record is the telemetry of one attempt, filled while it runs.
 type record struct {
 	span          trace.Span
 	activityType  string
+	namespace     string
+	taskQueue     string
+	sdk           client.MetricsHandler // nil unless Options.TemporalMetrics and an activity
 	outcome       Outcome
 	claimWait     time.Duration
 	effectTime    time.Duration
@@ -136,30 +245,63 @@ func (r *record) set(a attempt) {
 }
 
 func (t *telemetry) start(ctx context.Context, info activity.Info, id Identity, hash [32]byte) (context.Context, *record) {
-	ctx, span := t.tracer.Start(ctx, "Dedup:"+info.ActivityType.Name,
+	r := &record{activityType: info.ActivityType.Name, namespace: cmp.Or(info.Namespace, id.Namespace), taskQueue: info.TaskQueue}
+	if t.sdkMetrics && activity.IsActivity(ctx) {
+		r.sdk = activity.GetMetricsHandler(ctx)
+	}
+	ctx, r.span = t.tracer.Start(ctx, "Dedup:"+info.ActivityType.Name,
 		trace.WithSpanKind(trace.SpanKindInternal),
 		trace.WithAttributes(
 			DBSystemKey.String("postgresql"),
-			ActivityTypeKey.String(info.ActivityType.Name),
+			ActivityTypeKey.String(r.activityType),
+			NamespaceKey.String(r.namespace),
+			TaskQueueKey.String(r.taskQueue),
 			ActivityIDKey.String(info.ActivityID),
 			AttemptKey.Int64(int64(info.Attempt)),
 			WorkflowIDKey.String(info.WorkflowExecution.ID),
 			RunIDKey.String(info.WorkflowExecution.RunID),
-			NamespaceKey.String(info.Namespace),
 			IdentityKindKey.String(id.Kind.String()),
 			IdentityHashKey.String(hex.EncodeToString(hash[:])),
 		))
-	return ctx, &record{span: span, activityType: info.ActivityType.Name}
+	return ctx, r
 }
 
 // end closes the span and records the metrics. err is the error the attempt
-// returns; a non-nil err sets the span's status to Error.
+// returns; a non-nil err sets the span's status to Error and error.type.
 func (t *telemetry) end(ctx context.Context, r *record, err error) {
-	attrs := metric.WithAttributes(OutcomeKey.String(string(r.outcome)), ActivityTypeKey.String(r.activityType))
+	kv := []attribute.KeyValue{
+		OutcomeKey.String(string(r.outcome)),
+		ActivityTypeKey.String(r.activityType),
+		NamespaceKey.String(r.namespace),
+		TaskQueueKey.String(r.taskQueue),
+	}
+	var errType string
+	if err != nil {
+		errType = errorType(err)
+		kv = append(kv, ErrorTypeKey.String(errType))
+	}
+	attrs := metric.WithAttributeSet(attribute.NewSet(kv...))
 	t.attempts.Add(ctx, 1, attrs)
 	t.claim.Record(ctx, r.claimWait.Seconds(), attrs)
 	if r.ranEffect {
 		t.effect.Record(ctx, r.effectTime.Seconds(), attrs)
+	}
+	if r.sdk != nil {
+		tags := map[string]string{
+			sdkOutcomeTag:           string(r.outcome),
+			string(ActivityTypeKey): r.activityType,
+			string(NamespaceKey):    r.namespace,
+			string(TaskQueueKey):    r.taskQueue,
+		}
+		if errType != "" {
+			tags[sdkErrorTypeTag] = errType
+		}
+		h := r.sdk.WithTags(tags)
+		h.Counter(sdkMetricAttempts).Inc(1)
+		h.Timer(sdkMetricClaimDuration).Record(r.claimWait)
+		if r.ranEffect {
+			h.Timer(sdkMetricEffectDuration).Record(r.effectTime)
+		}
 	}
 
 	r.span.SetAttributes(OutcomeKey.String(string(r.outcome)), ClaimWaitKey.Float64(r.claimWait.Seconds()))
@@ -167,8 +309,31 @@ func (t *telemetry) end(ctx context.Context, r *record, err error) {
 		r.span.SetAttributes(StoredAttemptKey.Int64(int64(r.storedAttempt)))
 	}
 	if err != nil {
+		r.span.SetAttributes(ErrorTypeKey.String(errType))
 		r.span.RecordError(err)
 		r.span.SetStatus(codes.Error, string(r.outcome)+": "+err.Error())
 	}
 	r.span.End()
+}
+
+// errorType is the error.type of err (see ErrorTypeKey).
+func errorType(err error) string {
+	if typ, _, ok := classify(err); ok {
+		return typ
+	}
+	var appErr *temporal.ApplicationError
+	if errors.As(err, &appErr) && appErr.Type() != "" {
+		return appErr.Type()
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return pgErr.Code
+	}
+	switch {
+	case errors.Is(err, context.Canceled):
+		return "context.Canceled"
+	case errors.Is(err, context.DeadlineExceeded):
+		return "context.DeadlineExceeded"
+	}
+	return "_OTHER"
 }

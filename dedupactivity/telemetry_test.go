@@ -3,6 +3,7 @@ package dedupactivity_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"testing"
 	"time"
@@ -15,6 +16,12 @@ import (
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"go.temporal.io/sdk/activity"
+	"go.temporal.io/sdk/client"
+	temporalotel "go.temporal.io/sdk/contrib/opentelemetry"
+	"go.temporal.io/sdk/testsuite"
+	"go.temporal.io/sdk/worker"
+	"go.temporal.io/sdk/workflow"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 )
@@ -59,7 +66,16 @@ func (b *telemetryBundle) attempts(t *testing.T) map[string]int64 {
 					o, _ := dp.Attributes.Value(dedupactivity.OutcomeKey)
 					ty, _ := dp.Attributes.Value(dedupactivity.ActivityTypeKey)
 					require.Equal(t, "Post", ty.AsString())
-					out[o.AsString()] += dp.Value
+					ns, _ := dp.Attributes.Value(attribute.Key("namespace"))
+					require.Equal(t, testNamespace, ns.AsString())
+					tq, _ := dp.Attributes.Value(attribute.Key("task_queue"))
+					require.Equal(t, testTaskQueue, tq.AsString())
+					et, hasErr := dp.Attributes.Value(attribute.Key("error.type"))
+					key := o.AsString()
+					if hasErr {
+						key += "/" + et.AsString()
+					}
+					out[key] += dp.Value
 				}
 			case dedupactivity.MetricClaimDuration, dedupactivity.MetricEffectDuration:
 				require.Equal(t, "s", m.Unit)
@@ -122,16 +138,17 @@ func TestTelemetryOutcomes(t *testing.T) {
 	require.ErrorIs(t, err, dedupactivity.ErrNotMigrated)
 
 	want := []struct {
-		outcome dedupactivity.Outcome
-		status  codes.Code
+		outcome   dedupactivity.Outcome
+		status    codes.Code
+		errorType string
 	}{
-		{dedupactivity.OutcomeEffectError, codes.Error},
-		{dedupactivity.OutcomeClaimed, codes.Unset},
-		{dedupactivity.OutcomeDuplicate, codes.Unset},
-		{dedupactivity.OutcomePayloadMismatch, codes.Error},
-		{dedupactivity.OutcomeClaimTimeout, codes.Error}, // ends before the holder
-		{dedupactivity.OutcomeClaimed, codes.Unset},      // the holder
-		{dedupactivity.OutcomeError, codes.Error},
+		{dedupactivity.OutcomeEffectError, codes.Error, "_OTHER"},
+		{dedupactivity.OutcomeClaimed, codes.Unset, ""},
+		{dedupactivity.OutcomeDuplicate, codes.Unset, ""},
+		{dedupactivity.OutcomePayloadMismatch, codes.Error, dedupactivity.ErrTypePayloadMismatch},
+		{dedupactivity.OutcomeClaimTimeout, codes.Error, dedupactivity.ErrTypeClaimTimeout}, // ends before the holder
+		{dedupactivity.OutcomeClaimed, codes.Unset, ""},                                     // the holder
+		{dedupactivity.OutcomeError, codes.Error, "DedupNotMigrated"},
 	}
 	ended := b.spans.Ended()
 	require.Len(t, ended, len(want))
@@ -140,6 +157,7 @@ func TestTelemetryOutcomes(t *testing.T) {
 		require.Equal(t, "Dedup:Post", s.Name(), i)
 		require.Equal(t, string(w.outcome), attr(s, dedupactivity.OutcomeKey).AsString(), i)
 		require.Equal(t, w.status, s.Status().Code, "span %d (%s)", i, w.outcome)
+		require.Equal(t, w.errorType, attr(s, attribute.Key("error.type")).AsString(), "span %d (%s)", i, w.outcome)
 		require.Equal(t, dedupactivity.ScopeName, s.InstrumentationScope().Name)
 		require.Equal(t, "postgresql", attr(s, dedupactivity.DBSystemKey).AsString())
 		require.Equal(t, "Post", attr(s, dedupactivity.ActivityTypeKey).AsString())
@@ -147,6 +165,14 @@ func TestTelemetryOutcomes(t *testing.T) {
 		require.Equal(t, int64(1), attr(s, dedupactivity.AttemptKey).AsInt64())
 		require.Equal(t, "default-test-workflow-id", attr(s, dedupactivity.WorkflowIDKey).AsString())
 		require.Equal(t, "default-test-run-id", attr(s, dedupactivity.RunIDKey).AsString())
+		// The keys the SDK's tracing interceptor and metrics use, spelled out
+		// so a change of the constants cannot pass unnoticed.
+		require.Equal(t, "default-test-workflow-id", attr(s, "temporalWorkflowID").AsString())
+		require.Equal(t, "default-test-run-id", attr(s, "temporalRunID").AsString())
+		require.Equal(t, attr(s, dedupactivity.ActivityIDKey).AsString(), attr(s, "temporalActivityID").AsString())
+		require.Equal(t, "Post", attr(s, "activity_type").AsString())
+		require.Equal(t, testNamespace, attr(s, "namespace").AsString())
+		require.Equal(t, testTaskQueue, attr(s, "task_queue").AsString())
 		require.Len(t, attr(s, dedupactivity.IdentityHashKey).AsString(), 64)
 		require.Equal(t, attribute.FLOAT64, attr(s, dedupactivity.ClaimWaitKey).Type())
 	}
@@ -155,6 +181,187 @@ func TestTelemetryOutcomes(t *testing.T) {
 	require.Equal(t, "business_key", attr(ended[4], dedupactivity.IdentityKindKey).AsString())
 
 	require.Equal(t, map[string]int64{
-		"effect_error": 1, "claimed": 2, "duplicate": 1, "payload_mismatch": 1, "claim_timeout": 1, "error": 1,
+		"effect_error/_OTHER": 1, "claimed": 2, "duplicate": 1, "payload_mismatch/DedupPayloadMismatch": 1,
+		"claim_timeout/DedupClaimTimeout": 1, "error/DedupNotMigrated": 1,
 	}, b.attempts(t))
+}
+
+// The test activity environment's namespace and task queue.
+const (
+	testNamespace = "default-test-namespace"
+	testTaskQueue = "default-test-taskqueue"
+)
+
+// deliverWithHandler is deliver with h as the SDK's metrics handler (what
+// client.Options.MetricsHandler is on a worker).
+func deliverWithHandler[In, Out any](t *testing.T, h client.MetricsHandler, name string, fn func(context.Context, In) (Out, error), in In) error {
+	t.Helper()
+	var s testsuite.WorkflowTestSuite
+	s.SetMetricsHandler(h)
+	env := s.NewTestActivityEnvironment()
+	env.RegisterActivityWithOptions(fn, activity.RegisterOptions{Name: name})
+	_, err := env.ExecuteActivity(name, in)
+	return err
+}
+
+// sdkMetrics collects what went through an SDK metrics handler backed by
+// reader: dedup_attempts by "outcome[/error_type]", and the number of
+// observations of each timer.
+func sdkMetrics(t *testing.T, reader *sdkmetric.ManualReader) (attempts map[string]int64, timers map[string]uint64) {
+	t.Helper()
+	var rm metricdata.ResourceMetrics
+	require.NoError(t, reader.Collect(context.Background(), &rm))
+	attempts, timers = map[string]int64{}, map[string]uint64{}
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			switch data := m.Data.(type) {
+			case metricdata.Sum[int64]:
+				if m.Name != "dedup_attempts" {
+					continue
+				}
+				for _, dp := range data.DataPoints {
+					get := func(k string) string { v, _ := dp.Attributes.Value(attribute.Key(k)); return v.AsString() }
+					require.Equal(t, "Post", get("activity_type"))
+					require.Equal(t, testNamespace, get("namespace"))
+					require.Equal(t, testTaskQueue, get("task_queue"))
+					key := get("dedup_outcome")
+					if et := get("error_type"); et != "" {
+						key += "/" + et
+					}
+					attempts[key] += dp.Value
+				}
+			case metricdata.Histogram[float64]:
+				require.Equal(t, "s", m.Unit, m.Name)
+				for _, dp := range data.DataPoints {
+					timers[m.Name] += dp.Count
+				}
+			}
+		}
+	}
+	return attempts, timers
+}
+
+// TestTelemetryTemporalMetrics records through the SDK's metrics handler
+// (here the SDK's OpenTelemetry handler over a manual reader, as a worker
+// would with client.Options.MetricsHandler) when Options.TemporalMetrics is
+// set, and through it not at all when it is not; the OpenTelemetry path
+// counts the same attempts either way.
+func TestTelemetryTemporalMetrics(t *testing.T) {
+	t.Parallel()
+	for _, on := range []bool{true, false} {
+		t.Run(fmt.Sprintf("TemporalMetrics=%v", on), func(t *testing.T) {
+			t.Parallel()
+			b := setupTelemetry(t, dedupactivity.Options{TemporalMetrics: on})
+			reader := sdkmetric.NewManualReader()
+			h := temporalotel.NewMetricsHandler(temporalotel.MetricsHandlerOptions{
+				Meter:                sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)).Meter("temporal-sdk-go"),
+				UseMonotonicCounters: true,
+			})
+			fn := dedupactivity.Wrap(b.d, b.post, dedupactivity.WithBusinessKey(func(Transfer) (string, error) { return "k", nil }))
+			in := Transfer{Account: "a", Amount: 1}
+			require.NoError(t, deliverWithHandler(t, h, "Post", fn, in))                              // claimed
+			require.NoError(t, deliverWithHandler(t, h, "Post", fn, in))                              // duplicate
+			require.Error(t, deliverWithHandler(t, h, "Post", fn, Transfer{Account: "a", Amount: 2})) // payload_mismatch
+
+			want := map[string]int64{"claimed": 1, "duplicate": 1, "payload_mismatch/DedupPayloadMismatch": 1}
+			require.Equal(t, want, b.attempts(t), "the OpenTelemetry path")
+			attempts, timers := sdkMetrics(t, reader)
+			if !on {
+				require.Empty(t, attempts)
+				require.Zero(t, timers["dedup_claim_duration"])
+				return
+			}
+			require.Equal(t, want, attempts, "the SDK handler path")
+			require.Equal(t, uint64(3), timers["dedup_claim_duration"])
+			require.Equal(t, uint64(1), timers["dedup_effect_duration"], "the effect ran once")
+		})
+	}
+}
+
+// TestTelemetryMarkerMetrics checks the pruned-markers counter (both paths)
+// and the oldest-marker-age gauge, read from the table at collection.
+func TestTelemetryMarkerMetrics(t *testing.T) {
+	t.Parallel()
+	b := setupTelemetry(t, dedupactivity.Options{TemporalMetrics: true})
+	ctx := context.Background()
+	collect := func() (pruned int64, age []float64) {
+		var rm metricdata.ResourceMetrics
+		require.NoError(t, b.reader.Collect(ctx, &rm))
+		for _, sm := range rm.ScopeMetrics {
+			for _, m := range sm.Metrics {
+				switch m.Name {
+				case dedupactivity.MetricMarkersPruned:
+					require.Equal(t, "{marker}", m.Unit)
+					for _, dp := range m.Data.(metricdata.Sum[int64]).DataPoints {
+						tbl, _ := dp.Attributes.Value(dedupactivity.TableKey)
+						require.Equal(t, "dedup_marker", tbl.AsString())
+						pruned += dp.Value
+					}
+				case dedupactivity.MetricOldestMarkerAge:
+					require.Equal(t, "s", m.Unit)
+					for _, dp := range m.Data.(metricdata.Gauge[float64]).DataPoints {
+						age = append(age, dp.Value)
+					}
+				}
+			}
+		}
+		return pruned, age
+	}
+	_, age := collect()
+	require.Empty(t, age, "no markers: no observation")
+
+	fn := dedupactivity.Wrap(b.d, b.post)
+	_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
+	require.NoError(t, err)
+	_, err = b.pool.Exec(ctx, `UPDATE dedup_marker SET claimed_at = now() - interval '2 hours', expires_at = now() - interval '1 minute'`)
+	require.NoError(t, err)
+	_, age = collect()
+	require.Len(t, age, 1)
+	require.InDelta(t, 7200, age[0], 60, "the marker's age")
+
+	// Prune through the registered prune activity, so the SDK handler path
+	// is exercised too.
+	reader := sdkmetric.NewManualReader()
+	var s testsuite.WorkflowTestSuite
+	s.SetMetricsHandler(temporalotel.NewMetricsHandler(temporalotel.MetricsHandlerOptions{
+		Meter: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)).Meter("temporal-sdk-go"), UseMonotonicCounters: true,
+	}))
+	env := s.NewTestActivityEnvironment()
+	dedupactivity.RegisterPruner(activityRegistry{env: env}, b.d)
+	val, err := env.ExecuteActivity(b.d.PruneActivityName())
+	require.NoError(t, err)
+	var res dedupactivity.PruneResult
+	require.NoError(t, val.Get(&res))
+	require.Equal(t, int64(1), res.Deleted)
+
+	pruned, age := collect()
+	require.Equal(t, int64(1), pruned)
+	require.Empty(t, age, "the table is empty again")
+
+	var rm metricdata.ResourceMetrics
+	require.NoError(t, reader.Collect(ctx, &rm))
+	var sdkPruned int64
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if m.Name == "dedup_markers_pruned" {
+				for _, dp := range m.Data.(metricdata.Sum[int64]).DataPoints {
+					sdkPruned += dp.Value
+				}
+			}
+		}
+	}
+	require.Equal(t, int64(1), sdkPruned)
+}
+
+// activityRegistry lets RegisterPruner register its activity on a test
+// activity environment (the workflow is not needed there).
+type activityRegistry struct {
+	worker.Registry
+	env *testsuite.TestActivityEnvironment
+}
+
+func (r activityRegistry) RegisterWorkflowWithOptions(any, workflow.RegisterOptions) {}
+
+func (r activityRegistry) RegisterActivityWithOptions(fn any, o activity.RegisterOptions) {
+	r.env.RegisterActivityWithOptions(fn, o)
 }

@@ -291,19 +291,13 @@ func toTemporal(err error) error {
 	if errors.As(err, &appErr) {
 		return err
 	}
+	typ, nonRetryable, ok := classify(err)
 	switch {
-	case errors.Is(err, ErrPayloadMismatch):
-		return temporal.NewNonRetryableApplicationError(err.Error(), ErrTypePayloadMismatch, err)
-	case errors.Is(err, ErrClaimTimeout):
-		return temporal.NewApplicationErrorWithCause(err.Error(), ErrTypeClaimTimeout, err)
-	case errors.Is(err, ErrNotActivity), errors.Is(err, ErrEmptyBusinessKey), errors.Is(err, ErrInvalidIdentity),
-		errors.Is(err, ErrIdentityTooLarge), errors.Is(err, ErrInvalidOptions),
-		errors.Is(err, ErrTxOwned), errors.Is(err, ErrTxEnded):
-		return temporal.NewNonRetryableApplicationError(err.Error(), ErrTypeInvalidUsage, err)
-	case errors.Is(err, ErrResultTooLarge):
-		return temporal.NewNonRetryableApplicationError(err.Error(), ErrTypeResultTooLarge, err)
-	case errors.Is(err, ErrEncoding):
-		return temporal.NewNonRetryableApplicationError(err.Error(), ErrTypeEncoding, err)
+	case !ok || typ == errTypeNotMigrated || typ == errTypeReadOnly:
+		return err // retryable as it is: a migration or a fail-over fixes it
+	case nonRetryable:
+		return temporal.NewNonRetryableApplicationError(err.Error(), typ, err)
+	default:
+		return temporal.NewApplicationErrorWithCause(err.Error(), typ, err)
 	}
-	return err
 }

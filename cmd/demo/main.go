@@ -29,12 +29,14 @@ import (
 	"time"
 
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.temporal.io/sdk/client"
 	tlog "go.temporal.io/sdk/log"
 
 	"github.com/dedupactivity/dedupactivity/activities"
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 	"github.com/dedupactivity/dedupactivity/internal/ledgerworker"
+	"github.com/dedupactivity/dedupactivity/internal/obstest"
 	"github.com/dedupactivity/dedupactivity/internal/pgtest"
 	"github.com/dedupactivity/dedupactivity/internal/receipts"
 	"github.com/dedupactivity/dedupactivity/internal/temporaltest"
@@ -67,6 +69,8 @@ func run() error {
 	flag.IntVar(&cfg.stallEvery, "stall-every", 5, "every Nth transfer's credit outlives its StartToClose timeout on its first attempt (0: never)")
 	flag.DurationVar(&cfg.stall, "stall", 2500*time.Millisecond, "how long a stalled first attempt sleeps inside its transaction")
 	flag.DurationVar(&cfg.startToClose, "start-to-close", 2*time.Second, "StartToClose timeout of each activity attempt")
+	traces := flag.Bool("traces", false, "start Jaeger v2 (bin/jaeger, make jaeger) beside the dev server, export the worker's spans to it over OTLP, and print a redelivered transfer's trace and what Jaeger holds")
+	hold := flag.Bool("hold", false, "with -traces: keep Jaeger serving after the report until Ctrl-C")
 	flag.Parse()
 	if cfg.workflows < 1 || cfg.accounts < 2 {
 		return errors.New("-workflows must be >= 1 and -accounts >= 2")
@@ -106,9 +110,27 @@ func run() error {
 	}
 
 	// The demo reads its attempt counts from the library's own metrics.
-	// Traces go wherever the OTEL_* variables say (nowhere by default).
-	envTel, err := ledgerworker.TelemetryFromEnv(ctx, "ledger-demo")
-	if err != nil {
+	// Traces go to Jaeger under -traces, else wherever the OTEL_* variables
+	// say (nowhere by default).
+	var jaeger *obstest.Jaeger
+	var envTel *ledgerworker.Telemetry
+	var err error
+	if *traces {
+		path, err := obstest.Find("jaeger")
+		if err != nil {
+			return err
+		}
+		fmt.Println("starting Jaeger v2 ...")
+		if jaeger, err = obstest.StartJaeger(path); err != nil {
+			return err
+		}
+		defer jaeger.Stop() //nolint:errcheck // best effort at exit
+		fmt.Printf("Jaeger: OTLP in at %s, query API at %s/api\n", jaeger.OTLPEndpoint, jaeger.QueryURL)
+		envTel, err = ledgerworker.NewTelemetry(ctx, ledgerworker.TelemetryConfig{ServiceName: demoService, TracesEndpoint: jaeger.OTLPEndpoint})
+		if err != nil {
+			return err
+		}
+	} else if envTel, err = ledgerworker.TelemetryFromEnv(ctx, demoService); err != nil {
 		return err
 	}
 	defer envTel.Shutdown(context.WithoutCancel(ctx)) //nolint:errcheck // best effort at exit
@@ -170,7 +192,53 @@ func run() error {
 			break
 		}
 	}
-	return report(ctx, w, rs, reader, accounts, cfg, results, time.Since(began))
+	reportErr := report(ctx, w, rs, reader, accounts, cfg, results, time.Since(began))
+	if jaeger != nil {
+		if err := showTraces(ctx, jaeger, envTel, cfg.workflows); err != nil {
+			return errors.Join(reportErr, err)
+		}
+		if *hold && reportErr == nil {
+			fmt.Println("Jaeger keeps serving; Ctrl-C to stop")
+			<-ctx.Done()
+		}
+	}
+	return reportErr
+}
+
+const demoService = "ledger-demo"
+
+// showTraces flushes the spans and prints one redelivered debit's trace and
+// a line on what Jaeger holds, both read back from Jaeger's HTTP API.
+func showTraces(ctx context.Context, j *obstest.Jaeger, tel *ledgerworker.Telemetry, workflows int) error {
+	if tp, ok := tel.TracerProvider.(*sdktrace.TracerProvider); ok {
+		if err := tp.ForceFlush(ctx); err != nil {
+			return fmt.Errorf("flush spans: %w", err)
+		}
+	}
+	var id string
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		found, err := j.Traces(ctx, demoService, map[string]string{"dedup.outcome": "duplicate"}, workflows)
+		if err != nil {
+			return fmt.Errorf("jaeger: %w", err)
+		}
+		var ok bool
+		if id, ok = obstest.RedeliveredTrace(found, activities.DebitName); ok || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(500 * time.Millisecond)
+	}
+	summary, err := j.Summary(ctx, demoService, 2*workflows)
+	if err != nil {
+		return fmt.Errorf("jaeger: %w", err)
+	}
+	fmt.Println(summary)
+	if id == "" {
+		return errors.New("jaeger holds no trace with a claimed and a duplicate debit")
+	}
+	fmt.Printf("a debit delivered twice, applied once (RunActivity:Debit with a claimed and a duplicate Dedup child): %s/api/traces/%s\n", j.QueryURL, id)
+	fmt.Println("(Jaeger's web UI is not in the Go module: the page at / is a placeholder, so the link is the trace's JSON)")
+	return nil
 }
 
 type outcome struct {

@@ -7,6 +7,8 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/dedupactivity/dedupactivity/internal/obstest"
 )
 
 // TestDemo runs the demo binary as make demo does (its own PostgreSQL and
@@ -24,4 +26,23 @@ func TestDemo(t *testing.T) {
 	require.Contains(t, string(out), "INVARIANT HOLDS")
 	require.Contains(t, string(out), "workflows completed       15")
 	require.Contains(t, string(out), "Temporal Web UI: http://127.0.0.1:")
+}
+
+// TestDemoTraces runs the demo as make demo-traces does (without -hold):
+// Jaeger v2 beside the dev server, the worker's spans exported over OTLP,
+// and the demo reading back, from Jaeger's HTTP API, a debit's trace with a
+// claimed and a duplicate Dedup child and a summary of what Jaeger holds.
+func TestDemoTraces(t *testing.T) {
+	t.Parallel()
+	jaeger := obstest.Require(t, "jaeger")
+	bin := filepath.Join(t.TempDir(), "demo")
+	out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput()
+	require.NoError(t, err, "%s", out)
+	cmd := exec.Command(bin, "-workflows", "6", "-traces")
+	cmd.Env = append(os.Environ(), "DATABASE_URL=", "TEMPORAL_ADDRESS=", "JAEGER_BIN="+jaeger)
+	out, err = cmd.CombinedOutput()
+	require.NoError(t, err, "%s", out)
+	require.Contains(t, string(out), "INVARIANT HOLDS")
+	require.Regexp(t, `Jaeger holds \d+ traces of ledger-demo with \d+ spans; Dedup spans by outcome: claimed \d+, duplicate \d+`, string(out))
+	require.Regexp(t, `applied once .*: http://127\.0\.0\.1:\d+/api/traces/[0-9a-f]{32}\n`, string(out))
 }

@@ -11,15 +11,19 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"net/http"
 	"os"
 	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/exporters/otlp/otlpmetric/otlpmetricgrpc"
 	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracegrpc"
+	otelprom "go.opentelemetry.io/otel/exporters/prometheus"
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/propagation"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
@@ -100,37 +104,72 @@ func ConfigFromEnv() Config {
 type Telemetry struct {
 	TracerProvider trace.TracerProvider
 	MeterProvider  metric.MeterProvider
-	Shutdown       func(context.Context) error
+	// SDKMetrics, when set, is the Temporal client's MetricsHandler, so the
+	// SDK's own metrics (activity_type, namespace, task_queue) land beside
+	// the dedup metrics.
+	SDKMetrics client.MetricsHandler
+	// MetricsAddr is where /metrics is served for Prometheus (host:port),
+	// when TelemetryConfig.MetricsAddr was set.
+	MetricsAddr string
+	Shutdown    func(context.Context) error
+}
+
+// TelemetryConfig says where the worker's telemetry goes.
+type TelemetryConfig struct {
+	// ServiceName is the OpenTelemetry service.name.
+	ServiceName string
+	// TracesEndpoint is an OTLP/gRPC URL (http://127.0.0.1:4317) for spans;
+	// "env" uses the standard OTEL_EXPORTER_OTLP_* variables. Empty: none.
+	TracesEndpoint string
+	// MetricsEndpoint is the same for metrics pushed over OTLP.
+	MetricsEndpoint string
+	// MetricsAddr, when set, serves the metrics for Prometheus at
+	// http://MetricsAddr/metrics (OpenMetrics, with exemplars); port 0
+	// picks a free port (see Telemetry.MetricsAddr).
+	MetricsAddr string
 }
 
 // TelemetryFromEnv exports traces and metrics over OTLP/gRPC when the
 // standard OTEL_EXPORTER_OTLP_ENDPOINT (or the _TRACES_/_METRICS_ variant) is
-// set, unless OTEL_TRACES_EXPORTER or OTEL_METRICS_EXPORTER is "none";
+// set, unless OTEL_TRACES_EXPORTER or OTEL_METRICS_EXPORTER is "none", and
+// serves metrics for Prometheus on METRICS_ADDR (say 127.0.0.1:9464) when set;
 // otherwise it uses the global (no-op) providers. The service name is
 // OTEL_SERVICE_NAME, defaulting to serviceName.
 func TelemetryFromEnv(ctx context.Context, serviceName string) (*Telemetry, error) {
 	endpoint := os.Getenv("OTEL_EXPORTER_OTLP_ENDPOINT")
-	traces := cmp.Or(os.Getenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"), endpoint)
-	metrics := cmp.Or(os.Getenv("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"), endpoint)
-	// The standard switches: OTEL_TRACES_EXPORTER / OTEL_METRICS_EXPORTER=none.
-	if os.Getenv("OTEL_TRACES_EXPORTER") == "none" {
-		traces = ""
+	cfg := TelemetryConfig{
+		ServiceName: cmp.Or(os.Getenv("OTEL_SERVICE_NAME"), serviceName),
+		MetricsAddr: os.Getenv("METRICS_ADDR"),
 	}
-	if os.Getenv("OTEL_METRICS_EXPORTER") == "none" {
-		metrics = ""
+	if cmp.Or(os.Getenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"), endpoint) != "" && os.Getenv("OTEL_TRACES_EXPORTER") != "none" {
+		cfg.TracesEndpoint = "env"
 	}
+	if cmp.Or(os.Getenv("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"), endpoint) != "" && os.Getenv("OTEL_METRICS_EXPORTER") != "none" {
+		cfg.MetricsEndpoint = "env"
+	}
+	return NewTelemetry(ctx, cfg)
+}
+
+// NewTelemetry builds the providers cfg asks for; with nothing configured
+// it returns the global (no-op) providers.
+func NewTelemetry(ctx context.Context, cfg TelemetryConfig) (*Telemetry, error) {
 	t := &Telemetry{TracerProvider: otel.GetTracerProvider(), MeterProvider: otel.GetMeterProvider(), Shutdown: func(context.Context) error { return nil }}
-	if traces == "" && metrics == "" {
+	if cfg.TracesEndpoint == "" && cfg.MetricsEndpoint == "" && cfg.MetricsAddr == "" {
 		return t, nil
 	}
-	res, err := resource.Merge(resource.Default(), resource.NewWithAttributes(semconv.SchemaURL,
-		semconv.ServiceName(cmp.Or(os.Getenv("OTEL_SERVICE_NAME"), serviceName))))
+	// Schemaless: resource.Default() carries the SDK's own schema URL, and
+	// merging two different ones fails.
+	res, err := resource.Merge(resource.Default(), resource.NewSchemaless(semconv.ServiceName(cfg.ServiceName)))
 	if err != nil {
 		return nil, fmt.Errorf("otel resource: %w", err)
 	}
 	var shutdowns []func(context.Context) error
-	if traces != "" {
-		exp, err := otlptracegrpc.New(ctx)
+	if cfg.TracesEndpoint != "" {
+		var opts []otlptracegrpc.Option
+		if cfg.TracesEndpoint != "env" {
+			opts = append(opts, otlptracegrpc.WithEndpointURL(cfg.TracesEndpoint))
+		}
+		exp, err := otlptracegrpc.New(ctx, opts...)
 		if err != nil {
 			return nil, fmt.Errorf("otlp trace exporter: %w", err)
 		}
@@ -138,13 +177,44 @@ func TelemetryFromEnv(ctx context.Context, serviceName string) (*Telemetry, erro
 		t.TracerProvider = tp
 		shutdowns = append(shutdowns, tp.Shutdown)
 	}
-	if metrics != "" {
-		exp, err := otlpmetricgrpc.New(ctx)
+	var readers []sdkmetric.Option
+	if cfg.MetricsEndpoint != "" {
+		var opts []otlpmetricgrpc.Option
+		if cfg.MetricsEndpoint != "env" {
+			opts = append(opts, otlpmetricgrpc.WithEndpointURL(cfg.MetricsEndpoint))
+		}
+		exp, err := otlpmetricgrpc.New(ctx, opts...)
 		if err != nil {
 			return nil, fmt.Errorf("otlp metric exporter: %w", err)
 		}
-		mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(sdkmetric.NewPeriodicReader(exp)), sdkmetric.WithResource(res))
+		readers = append(readers, sdkmetric.WithReader(sdkmetric.NewPeriodicReader(exp)))
+	}
+	if cfg.MetricsAddr != "" {
+		reg := prometheus.NewRegistry()
+		exp, err := otelprom.New(otelprom.WithRegisterer(reg))
+		if err != nil {
+			return nil, fmt.Errorf("prometheus exporter: %w", err)
+		}
+		readers = append(readers, sdkmetric.WithReader(exp))
+		ln, err := net.Listen("tcp", cfg.MetricsAddr)
+		if err != nil {
+			return nil, fmt.Errorf("serve metrics: %w", err)
+		}
+		mux := http.NewServeMux()
+		mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{EnableOpenMetrics: true}))
+		srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+		go func() { _ = srv.Serve(ln) }()
+		t.MetricsAddr = ln.Addr().String()
+		shutdowns = append(shutdowns, srv.Shutdown)
+	}
+	if len(readers) > 0 {
+		mp := sdkmetric.NewMeterProvider(append(readers, sdkmetric.WithResource(res))...)
 		t.MeterProvider = mp
+		t.SDKMetrics = temporalotel.NewMetricsHandler(temporalotel.MetricsHandlerOptions{
+			Meter:                mp.Meter("temporal-sdk-go"),
+			UseMonotonicCounters: true,
+			OnError:              func(err error) { otel.Handle(err) }, // the default panics
+		})
 		shutdowns = append(shutdowns, mp.Shutdown)
 	}
 	otel.SetTextMapPropagator(propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{}))
@@ -237,10 +307,11 @@ func Start(ctx context.Context, cfg Config, tel *Telemetry) (_ *Worker, err erro
 		logger = QuietLogger()
 	}
 	c, err := client.Dial(client.Options{
-		HostPort:     cfg.TemporalAddress,
-		Namespace:    cfg.Namespace,
-		Interceptors: []interceptor.ClientInterceptor{tracing},
-		Logger:       logger,
+		HostPort:       cfg.TemporalAddress,
+		Namespace:      cfg.Namespace,
+		Interceptors:   []interceptor.ClientInterceptor{tracing},
+		Logger:         logger,
+		MetricsHandler: tel.SDKMetrics, // nil: the SDK's no-op handler
 	})
 	if err != nil {
 		return nil, fmt.Errorf("connect to Temporal at %s: %w", cfg.TemporalAddress, err)
