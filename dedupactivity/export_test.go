@@ -14,3 +14,6 @@ func SetAfterClaimHook(d *Deduper, hook func(ctx context.Context, tx pgx.Tx) err
 
 // Fingerprint exposes the input fingerprint for tests.
 func Fingerprint(in any) ([]byte, error) { return fingerprint(in) }
+
+// PruneActivityName exposes the name of d's prune activity.
+func PruneActivityName(d *Deduper) string { return d.pruneActivityName() }

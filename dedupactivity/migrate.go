@@ -102,7 +102,7 @@ func (d *Deduper) Migrate(ctx context.Context) error {
 		}
 	}
 	if d.opts.PartitionInterval > 0 {
-		if _, err := d.EnsurePartitions(ctx); err != nil {
+		if _, err := d.ensurePartitions(ctx); err != nil {
 			return err
 		}
 	}

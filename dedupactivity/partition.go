@@ -16,13 +16,13 @@ import (
 // kept short and the work is retried at the next run.
 const partitionLockTimeout = 500 * time.Millisecond
 
-// EnsurePartitions creates, in the partitioned layout, the partitions
+// ensurePartitions creates, in the partitioned layout, the partitions
 // covering the current interval and the next PartitionsAhead ones (those
 // that do not exist yet). A range whose rows already sit in the default
 // partition (maintenance fell behind) is left to the default partition. It
 // returns how many partitions it created; in the default layout it does
 // nothing.
-func (d *Deduper) EnsurePartitions(ctx context.Context) (int, error) {
+func (d *Deduper) ensurePartitions(ctx context.Context) (int, error) {
 	iv := d.opts.PartitionInterval
 	if iv <= 0 {
 		return 0, nil

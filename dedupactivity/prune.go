@@ -14,13 +14,13 @@ import (
 	"go.temporal.io/sdk/workflow"
 )
 
-// PruneBatchSize is how many expired markers one Prune statement deletes.
+// pruneBatchSize is how many expired markers one Prune statement deletes.
 // Small batches keep each delete's locks and WAL short, so concurrent claims
 // are not held up.
-const PruneBatchSize = 1000
+const pruneBatchSize = 1000
 
 // Prune deletes expired markers (expires_at in the past) in batches of
-// PruneBatchSize, each in its own short transaction, until none are left or
+// pruneBatchSize, each in its own short transaction, until none are left or
 // ctx is done. Rows locked by a concurrent pruner are skipped, so it is safe
 // to run from many workers at once. It returns how many markers it deleted.
 //
@@ -38,14 +38,14 @@ func (d *Deduper) prune(ctx context.Context, afterBatch func(deleted int64)) (in
 		if err != nil {
 			return 0, err
 		}
-		if _, err := d.EnsurePartitions(ctx); err != nil {
+		if _, err := d.ensurePartitions(ctx); err != nil {
 			return n, err
 		}
 		deleted = n
 		d.tel.markersPruned(ctx, n)
 	}
 	for {
-		tag, err := d.pool.Exec(ctx, d.store.prune, PruneBatchSize)
+		tag, err := d.pool.Exec(ctx, d.store.prune, pruneBatchSize)
 		if err != nil {
 			return deleted, fmt.Errorf("dedupactivity: prune: %w", interpretError(err, false))
 		}
@@ -54,7 +54,7 @@ func (d *Deduper) prune(ctx context.Context, afterBatch func(deleted int64)) (in
 		if afterBatch != nil {
 			afterBatch(deleted)
 		}
-		if tag.RowsAffected() < PruneBatchSize {
+		if tag.RowsAffected() < pruneBatchSize {
 			return deleted, nil
 		}
 	}
@@ -64,13 +64,13 @@ func (d *Deduper) prune(ctx context.Context, afterBatch func(deleted int64)) (in
 // activity. The activity name carries the table, so several Dedupers can
 // prune through one worker.
 const (
-	PruneWorkflowName     = "DedupPrune"
+	pruneWorkflowName     = "DedupPrune"
 	pruneActivityPrefix   = "DedupPrune:"
 	pruneHeartbeatTimeout = time.Minute
 )
 
-// PruneActivityName is the name of d's prune activity.
-func (d *Deduper) PruneActivityName() string { return pruneActivityPrefix + d.table }
+// pruneActivityName is the name of d's prune activity.
+func (d *Deduper) pruneActivityName() string { return pruneActivityPrefix + d.table }
 
 // PruneResult is what one pruning run did.
 type PruneResult struct {
@@ -81,8 +81,8 @@ type PruneResult struct {
 // worker, so a Temporal Schedule (EnsurePruneSchedule) can run Prune on the
 // same engine as everything else, visible in the Web UI.
 func RegisterPruner(r worker.Registry, d *Deduper) {
-	r.RegisterWorkflowWithOptions(PruneWorkflow, workflow.RegisterOptions{Name: PruneWorkflowName})
-	r.RegisterActivityWithOptions(d.pruneActivity, activity.RegisterOptions{Name: d.PruneActivityName()})
+	r.RegisterWorkflowWithOptions(pruneWorkflow, workflow.RegisterOptions{Name: pruneWorkflowName})
+	r.RegisterActivityWithOptions(d.pruneActivity, activity.RegisterOptions{Name: d.pruneActivityName()})
 }
 
 // pruneActivity prunes, heartbeating after each batch.
@@ -91,8 +91,8 @@ func (d *Deduper) pruneActivity(ctx context.Context) (PruneResult, error) {
 	return PruneResult{Deleted: n}, err
 }
 
-// PruneWorkflow runs one pruning activity (its name is the input).
-func PruneWorkflow(ctx workflow.Context, activityName string) (PruneResult, error) {
+// pruneWorkflow runs one pruning activity (its name is the input).
+func pruneWorkflow(ctx workflow.Context, activityName string) (PruneResult, error) {
 	ctx = workflow.WithActivityOptions(ctx, workflow.ActivityOptions{
 		StartToCloseTimeout: time.Hour,
 		HeartbeatTimeout:    pruneHeartbeatTimeout,
@@ -104,7 +104,7 @@ func PruneWorkflow(ctx workflow.Context, activityName string) (PruneResult, erro
 }
 
 // EnsurePruneSchedule creates, if it does not exist yet, a Temporal Schedule
-// with the given ID that runs PruneWorkflow for d every interval on
+// with the given ID that runs pruneWorkflow for d every interval on
 // taskQueue (where RegisterPruner registered it). Overlapping runs are
 // skipped. It is idempotent and safe to call from every worker at start.
 func EnsurePruneSchedule(ctx context.Context, c client.Client, d *Deduper, scheduleID, taskQueue string, interval time.Duration) error {
@@ -117,8 +117,8 @@ func EnsurePruneSchedule(ctx context.Context, c client.Client, d *Deduper, sched
 		Overlap: enumspb.SCHEDULE_OVERLAP_POLICY_SKIP,
 		Action: &client.ScheduleWorkflowAction{
 			ID:        scheduleID,
-			Workflow:  PruneWorkflowName,
-			Args:      []any{d.PruneActivityName()},
+			Workflow:  pruneWorkflowName,
+			Args:      []any{d.pruneActivityName()},
 			TaskQueue: taskQueue,
 		},
 	})

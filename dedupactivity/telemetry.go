@@ -46,38 +46,38 @@ const (
 	// StoredAttemptKey is, on a duplicate, the attempt number that applied
 	// the effect.
 	StoredAttemptKey = attribute.Key("dedup.stored.attempt")
-	// ErrorTypeKey is the OpenTelemetry semantic convention error.type, set
+	// errorTypeKey is the OpenTelemetry semantic convention error.type, set
 	// on spans and metrics of attempts that return an error (error_type in
 	// Prometheus). Its value is, in this order: the ErrType* constant of
 	// this package's error (DedupNotMigrated for ErrNotMigrated), the Type
 	// of a Temporal ApplicationError the effect returned, the SQLSTATE of a
 	// PostgreSQL error, context.Canceled or context.DeadlineExceeded, and
 	// otherwise _OTHER.
-	ErrorTypeKey = attribute.Key("error.type")
-	// ActivityTypeKey is the Temporal activity type: activity_type, the
+	errorTypeKey = attribute.Key("error.type")
+	// activityTypeKey is the Temporal activity type: activity_type, the
 	// label of the SDK's metrics.
-	ActivityTypeKey = attribute.Key("activity_type")
-	// NamespaceKey is the Temporal namespace: namespace, the label of the
+	activityTypeKey = attribute.Key("activity_type")
+	// namespaceKey is the Temporal namespace: namespace, the label of the
 	// SDK's metrics.
-	NamespaceKey = attribute.Key("namespace")
-	// TaskQueueKey is the activity's task queue: task_queue, the label of
+	namespaceKey = attribute.Key("namespace")
+	// taskQueueKey is the activity's task queue: task_queue, the label of
 	// the SDK's metrics (empty outside an activity, in Do).
-	TaskQueueKey = attribute.Key("task_queue")
-	// ActivityIDKey is the Temporal activity ID, as the SDK's tracing
+	taskQueueKey = attribute.Key("task_queue")
+	// activityIDKey is the Temporal activity ID, as the SDK's tracing
 	// interceptor tags it.
-	ActivityIDKey = attribute.Key("temporalActivityID")
-	// WorkflowIDKey is the workflow ID (empty for standalone activities),
+	activityIDKey = attribute.Key("temporalActivityID")
+	// workflowIDKey is the workflow ID (empty for standalone activities),
 	// as the SDK's tracing interceptor tags it.
-	WorkflowIDKey = attribute.Key("temporalWorkflowID")
-	// RunIDKey is the workflow run ID (empty for standalone activities), as
+	workflowIDKey = attribute.Key("temporalWorkflowID")
+	// runIDKey is the workflow run ID (empty for standalone activities), as
 	// the SDK's tracing interceptor tags it.
-	RunIDKey = attribute.Key("temporalRunID")
-	// AttemptKey is the Temporal attempt number (starts at 1; not monotonic
+	runIDKey = attribute.Key("temporalRunID")
+	// attemptKey is the Temporal attempt number (starts at 1; not monotonic
 	// across activity resets).
-	AttemptKey = attribute.Key("temporal.activity.attempt")
-	// DBSystemKey is the OpenTelemetry semantic convention db.system.name,
+	attemptKey = attribute.Key("temporal.activity.attempt")
+	// dbSystemKey is the OpenTelemetry semantic convention db.system.name,
 	// always "postgresql".
-	DBSystemKey = attribute.Key("db.system.name")
+	dbSystemKey = attribute.Key("db.system.name")
 )
 
 // Metric names (OpenTelemetry). The Prometheus exporter writes them as
@@ -252,14 +252,14 @@ func (t *telemetry) start(ctx context.Context, info activity.Info, id Identity, 
 	ctx, r.span = t.tracer.Start(ctx, "Dedup:"+info.ActivityType.Name,
 		trace.WithSpanKind(trace.SpanKindInternal),
 		trace.WithAttributes(
-			DBSystemKey.String("postgresql"),
-			ActivityTypeKey.String(r.activityType),
-			NamespaceKey.String(r.namespace),
-			TaskQueueKey.String(r.taskQueue),
-			ActivityIDKey.String(info.ActivityID),
-			AttemptKey.Int64(int64(info.Attempt)),
-			WorkflowIDKey.String(info.WorkflowExecution.ID),
-			RunIDKey.String(info.WorkflowExecution.RunID),
+			dbSystemKey.String("postgresql"),
+			activityTypeKey.String(r.activityType),
+			namespaceKey.String(r.namespace),
+			taskQueueKey.String(r.taskQueue),
+			activityIDKey.String(info.ActivityID),
+			attemptKey.Int64(int64(info.Attempt)),
+			workflowIDKey.String(info.WorkflowExecution.ID),
+			runIDKey.String(info.WorkflowExecution.RunID),
 			IdentityKindKey.String(id.Kind.String()),
 			IdentityHashKey.String(hex.EncodeToString(hash[:])),
 		))
@@ -271,14 +271,14 @@ func (t *telemetry) start(ctx context.Context, info activity.Info, id Identity, 
 func (t *telemetry) end(ctx context.Context, r *record, err error) {
 	kv := []attribute.KeyValue{
 		OutcomeKey.String(string(r.outcome)),
-		ActivityTypeKey.String(r.activityType),
-		NamespaceKey.String(r.namespace),
-		TaskQueueKey.String(r.taskQueue),
+		activityTypeKey.String(r.activityType),
+		namespaceKey.String(r.namespace),
+		taskQueueKey.String(r.taskQueue),
 	}
 	var errType string
 	if err != nil {
 		errType = errorType(err)
-		kv = append(kv, ErrorTypeKey.String(errType))
+		kv = append(kv, errorTypeKey.String(errType))
 	}
 	attrs := metric.WithAttributeSet(attribute.NewSet(kv...))
 	t.attempts.Add(ctx, 1, attrs)
@@ -289,9 +289,9 @@ func (t *telemetry) end(ctx context.Context, r *record, err error) {
 	if r.sdk != nil {
 		tags := map[string]string{
 			sdkOutcomeTag:           string(r.outcome),
-			string(ActivityTypeKey): r.activityType,
-			string(NamespaceKey):    r.namespace,
-			string(TaskQueueKey):    r.taskQueue,
+			string(activityTypeKey): r.activityType,
+			string(namespaceKey):    r.namespace,
+			string(taskQueueKey):    r.taskQueue,
 		}
 		if errType != "" {
 			tags[sdkErrorTypeTag] = errType
@@ -309,14 +309,14 @@ func (t *telemetry) end(ctx context.Context, r *record, err error) {
 		r.span.SetAttributes(StoredAttemptKey.Int64(int64(r.storedAttempt)))
 	}
 	if err != nil {
-		r.span.SetAttributes(ErrorTypeKey.String(errType))
+		r.span.SetAttributes(errorTypeKey.String(errType))
 		r.span.RecordError(err)
 		r.span.SetStatus(codes.Error, string(r.outcome)+": "+err.Error())
 	}
 	r.span.End()
 }
 
-// errorType is the error.type of err (see ErrorTypeKey).
+// errorType is the error.type of err (see errorTypeKey).
 func errorType(err error) string {
 	if typ, _, ok := classify(err); ok {
 		return typ

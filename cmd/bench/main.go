@@ -53,6 +53,7 @@ type config struct {
 	activities int
 	tRounds    int
 	ledgerRows int
+	only       string
 }
 
 const accounts = 1000
@@ -70,6 +71,7 @@ func run() error {
 	flag.IntVar(&cfg.activities, "activities", 400, "activities per Temporal measurement")
 	flag.IntVar(&cfg.tRounds, "temporal-rounds", 12, "ABBA rounds of the Temporal measurement")
 	flag.IntVar(&cfg.prune, "prune", 1_000_000, "expired markers to prune while measuring claims (0: skip)")
+	flag.StringVar(&cfg.only, "only", "", "comma-separated approach names to run (default: all)")
 	flag.IntVar(&cfg.ledgerRows, "effect-rows", 1, "ledger rows the effect inserts per event, one statement each (the issue's effect: 1)")
 	flag.Parse()
 	if cfg.ledgerRows < 1 {
@@ -110,10 +112,14 @@ func run() error {
 		return err
 	}
 	approaches := b.approaches()
+	if cfg.only != "" {
+		keep := strings.Split(cfg.only, ",")
+		approaches = slices.DeleteFunc(approaches, func(a approach) bool { return !slices.Contains(keep, a.name) })
+	}
 
 	fmt.Println("round trips per event ...")
 	for _, a := range approaches {
-		if a.reference {
+		if a.reference || cfg.only != "" {
 			continue
 		}
 		rt, dupRT, err := b.roundTrips(ctx, a)
@@ -145,6 +151,15 @@ func run() error {
 		for _, c := range cfg.levels {
 			rep.cells = append(rep.cells, cells[fmt.Sprintf("%s/%d", a.name, c)])
 		}
+	}
+
+	if cfg.only != "" {
+		// A subset of rows: their throughput and CPU only, to stdout.
+		for _, c := range rep.cells {
+			server, client := c.cpuPerEvent()
+			fmt.Printf("%-40s %3d %7.0f/s  server %s µs  client %s µs  WAL %s B\n", c.approach, c.conc, c.throughput(), server, client, c.walPerEvent())
+		}
+		return nil
 	}
 
 	fmt.Println("double delivery ...")

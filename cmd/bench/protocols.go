@@ -20,6 +20,8 @@ const (
 	nameCheckInsert = "check-then-insert"
 	nameFloor       = "floor: key insert only"
 	nameByHand      = "by hand: dedupactivity's SQL"
+	nameByHandOne   = "by hand: claim in one statement"
+	nameByHandNoIdx = "by hand: no expiry index"
 )
 
 // runScoped is the run-scoped identity of the bench event key: what a
@@ -57,6 +59,12 @@ func (b *bench) seedRecipe(ctx context.Context, key string, in posting) (bool, e
 // telemetry or result encoding through a DataConverter. Against the
 // dedupactivity row it shows what the library's Go side costs.
 func (b *bench) byHand(ctx context.Context, key string, in posting) (bool, error) {
+	return b.byHandOn(ctx, `"dedup_marker"`, false, key, in)
+}
+
+// byHandOn is byHand on another marker table, with the claim's lock_timeout
+// bound set and restored inside the insert statement when oneStatement.
+func (b *bench) byHandOn(ctx context.Context, table string, oneStatement bool, key string, in posting) (bool, error) {
 	id := runScoped(key)
 	h := id.Hash()
 	conn, err := b.pool.Acquire(ctx)
@@ -66,12 +74,22 @@ func (b *bench) byHand(ctx context.Context, key string, in posting) (bool, error
 	defer conn.Release()
 	batch := &pgx.Batch{}
 	batch.BeginTx(pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
-	batch.Queue(`SELECT set_config('dedupactivity.lock_timeout', current_setting('lock_timeout'), true),
+	args := []any{h[:], int32(1), time.Now().Add(30 * 24 * time.Hour), "Post", id.Encode(), nil, nil}
+	if oneStatement {
+		batch.Queue(`INSERT INTO `+table+` (id_hash, attempt, expires_at, activity_type, identity, fingerprint, result)
+SELECT $1::bytea, $2::int4, $3::timestamptz, $4::text, $5::bytea, $6::bytea, $7::bytea
+FROM (SELECT set_config('dedupactivity.lock_timeout', current_setting('lock_timeout'), true),
+	set_config('lock_timeout', $8, true)) AS claim_wait
+ON CONFLICT DO NOTHING
+RETURNING set_config('lock_timeout', current_setting('dedupactivity.lock_timeout'), true) IS NOT NULL`, append(args, "30000ms")...)
+	} else {
+		batch.Queue(`SELECT set_config('dedupactivity.lock_timeout', current_setting('lock_timeout'), true),
 	set_config('lock_timeout', $1, true)`, "30000ms")
-	batch.Queue(`INSERT INTO "dedup_marker" (id_hash, attempt, expires_at, activity_type, identity, fingerprint, result)
+		batch.Queue(`INSERT INTO `+table+` (id_hash, attempt, expires_at, activity_type, identity, fingerprint, result)
 VALUES ($1, $2, $3, $4, $5, $6, $7)
-ON CONFLICT DO NOTHING RETURNING true`, h[:], int32(1), time.Now().Add(30*24*time.Hour), "Post", id.Encode(), nil, nil)
-	batch.Queue(`SELECT set_config('lock_timeout', current_setting('dedupactivity.lock_timeout'), true)`)
+ON CONFLICT DO NOTHING RETURNING true`, args...)
+		batch.Queue(`SELECT set_config('lock_timeout', current_setting('dedupactivity.lock_timeout'), true)`)
+	}
 	br := conn.SendBatch(ctx, batch)
 	tx := br.Tx()
 	if err := br.Close(); err != nil {
@@ -83,7 +101,7 @@ ON CONFLICT DO NOTHING RETURNING true`, h[:], int32(1), time.Now().Add(30*24*tim
 		return false, err
 	}
 	batch = &pgx.Batch{}
-	batch.Queue(`UPDATE "dedup_marker" SET result = $2 WHERE id_hash = $1 AND xmin = pg_current_xact_id()::xid`, h[:], encode(r))
+	batch.Queue(`UPDATE `+table+` SET result = $2 WHERE id_hash = $1 AND xmin = pg_current_xact_id()::xid`, h[:], encode(r))
 	batch.Queue("COMMIT")
 	return false, conn.SendBatch(ctx, batch).Close()
 }

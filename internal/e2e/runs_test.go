@@ -177,7 +177,7 @@ func TestLocalAndRegularActivityDoNotCollide(t *testing.T) {
 		}
 		for _, kv := range s.Attributes() {
 			switch kv.Key {
-			case dedupactivity.ActivityIDKey:
+			case "temporalActivityID":
 				ids = append(ids, kv.Value.AsString())
 			case dedupactivity.IdentityKindKey:
 				kinds = append(kinds, kv.Value.AsString())
