@@ -152,6 +152,10 @@ func TestPgBouncerTransactionPooling(t *testing.T) {
 	ctx := context.Background()
 	requireTransactionPooling(t, b.bouncerPool(t, "exec", 2))
 
+	// Hence Options.Schema and qualified tables below.
+	_, err := pgx.Connect(ctx, b.bouncer.URL+"&search_path="+b.schema.Name)
+	require.ErrorContains(t, err, "unsupported startup parameter: search_path")
+
 	t.Run("modes", func(t *testing.T) {
 		for mode := range bouncerModes {
 			t.Run(mode, func(t *testing.T) {
