@@ -1,12 +1,14 @@
 // Package migrations holds the versioned SQL that creates the dedupactivity
 // marker table.
 //
-// Files are named NNN_name.up.sql / NNN_name.down.sql and use the table name
-// dedup_marker unqualified, so they can be applied as they are by common
-// migration tools (golang-migrate, goose with its own version table, psql).
-// [github.com/dedupactivity/dedupactivity/dedupactivity.Deduper.Migrate] applies
-// them with a version table and an advisory lock, replacing the table name
-// with the one configured in its Options.
+// Files are named NNN_name.up.sql / NNN_name.down.sql, are idempotent, and
+// quote every name, with the table name dedup_marker as a token. They can be
+// applied as they are by golang-migrate (tested in internal/migratetest) and
+// psql; goose needs its -- +goose annotations, which the files do not have.
+// [github.com/dedupactivity/dedupactivity/dedupactivity.Deduper.Migrate]
+// applies them with a version table and an advisory lock, replacing the
+// token with the table name configured in its Options, and does nothing when
+// the table is already there.
 package migrations
 
 import "embed"
