@@ -147,6 +147,10 @@ func (d *Deduper) begin(ctx context.Context, m *marker) (*pgxpool.Conn, pgx.Tx, 
 		if broken && try == 1 && ctx.Err() == nil {
 			continue
 		}
+		if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+			// The caller's deadline came before the claim wait ran out.
+			return nil, nil, false, fmt.Errorf("dedupactivity: claim: %w (the caller's deadline came first): %w", ErrClaimTimeout, err)
+		}
 		return nil, nil, false, fmt.Errorf("dedupactivity: claim: %w", interpretError(err, true))
 	}
 }

@@ -421,6 +421,8 @@ func TestClaimWaitCutByDeadline(t *testing.T) {
 	t.Parallel()
 	b := setup(t, dedupactivity.Options{}) // ClaimWait: the 10s default
 	holding, release := make(chan struct{}), make(chan struct{})
+	var releaseOnce sync.Once
+	t.Cleanup(func() { releaseOnce.Do(func() { close(release) }) }) // before the pool closes, on failure too
 	var once sync.Once
 	dedupactivity.SetAfterClaimHook(b.d, func(ctx context.Context, tx pgx.Tx) error {
 		once.Do(func() { close(holding); <-release })
@@ -435,11 +437,10 @@ func TestClaimWaitCutByDeadline(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 700*time.Millisecond)
 	defer cancel()
 	_, outcome, err := dedupactivity.Do(ctx, b.d, id, in, b.post)
-	// A lock_timeout (not a context error) proves the wait was cut short of
-	// the 10s ClaimWait by the deadline.
+	// A claim timeout before the 10s ClaimWait: the deadline cut it short.
 	require.ErrorIs(t, err, dedupactivity.ErrClaimTimeout)
 	require.Equal(t, dedupactivity.OutcomeClaimTimeout, outcome)
 
-	close(release)
+	releaseOnce.Do(func() { close(release) })
 	require.NoError(t, <-holder)
 }

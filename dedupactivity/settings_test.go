@@ -124,6 +124,8 @@ func TestStatementTimeoutShorterThanClaimWait(t *testing.T) {
 	t.Parallel()
 	b := setup(t, dedupactivity.Options{})
 	holding, release := make(chan struct{}), make(chan struct{})
+	var releaseOnce sync.Once
+	t.Cleanup(func() { releaseOnce.Do(func() { close(release) }) }) // before the pool closes, on failure too
 	var once sync.Once
 	dedupactivity.SetAfterClaimHook(b.d, func(ctx context.Context, tx pgx.Tx) error {
 		once.Do(func() { close(holding); <-release })
@@ -149,7 +151,7 @@ func TestStatementTimeoutShorterThanClaimWait(t *testing.T) {
 	require.ErrorContains(t, err, "statement_timeout")
 	require.Equal(t, dedupactivity.OutcomeClaimTimeout, outcome)
 	require.Less(t, time.Since(began), 5*time.Second)
-	close(release)
+	releaseOnce.Do(func() { close(release) })
 	require.NoError(t, <-holder)
 	require.Equal(t, int64(1), b.ledgerRows(t))
 }
