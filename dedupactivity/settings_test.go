@@ -39,7 +39,11 @@ func claimDupMismatch(t *testing.T, d *dedupactivity.Deduper, b *testBundle, key
 		return p, err
 	}
 	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: key}
-	in := Transfer{Account: "a", Amount: 3}
+	// An account of its own: subtests run in parallel, and one of them sets
+	// a 1ms lock_timeout that the effect keeps.
+	_, err := b.pool.Exec(ctx, `INSERT INTO account (id) VALUES ($1)`, key)
+	require.NoError(t, err)
+	in := Transfer{Account: key, Amount: 3}
 	first, outcome, err := dedupactivity.Do(ctx, d, id, in, post)
 	require.NoError(t, err)
 	require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
@@ -47,7 +51,7 @@ func claimDupMismatch(t *testing.T, d *dedupactivity.Deduper, b *testBundle, key
 	require.NoError(t, err)
 	require.Equal(t, dedupactivity.OutcomeDuplicate, outcome)
 	require.Equal(t, first, dup)
-	_, outcome, err = dedupactivity.Do(ctx, d, id, Transfer{Account: "a", Amount: 4}, post)
+	_, outcome, err = dedupactivity.Do(ctx, d, id, Transfer{Account: key, Amount: 4}, post)
 	require.ErrorIs(t, err, dedupactivity.ErrPayloadMismatch)
 	require.Equal(t, dedupactivity.OutcomePayloadMismatch, outcome)
 	require.Equal(t, int64(1), b.count(t, `SELECT count(*) FROM ledger WHERE amount = 3 AND id = $1`, first.EntryID))
