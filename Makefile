@@ -43,7 +43,7 @@ bench: $(TEMPORAL) ## Benchmarks: dedupactivity vs bare / status-record / check-
 	$(GO) run ./cmd/bench $(BENCH_FLAGS)
 
 .PHONY: chaos
-chaos: $(TEMPORAL) ## Chaos run (~2 min): worker SIGKILLs, backend kills, redeliveries, a PostgreSQL restart. CHAOS_FLAGS for longer soaks.
+chaos: $(TEMPORAL) ## Chaos run (~2 min): worker SIGKILLs, backend kills, redeliveries, a PostgreSQL restart; at the outbox: dropped responses, relays killed before ack, two relays per message, destination outages. CHAOS_FLAGS for longer soaks.
 	$(GO) run ./cmd/chaos $(CHAOS_FLAGS)
 
 .PHONY: lint

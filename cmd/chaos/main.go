@@ -1,21 +1,30 @@
-// Command chaos runs the ledger example under faults (see internal/chaos):
-// several worker processes on a real Temporal dev server and PostgreSQL,
-// with SIGKILLed workers, terminated backends, forced redeliveries and a
-// PostgreSQL restart. It prints what happened and exits non-zero if any
-// transfer was applied twice or lost, or money was not conserved.
+// Command chaos runs the ledger example and its receipts outbox under
+// faults, on a real Temporal dev server and a real PostgreSQL, with every
+// part in its own process: worker processes (each also running an outbox
+// relay loop) and the receipts service with its own database, reached
+// through a fault-injecting proxy on 127.0.0.1.
+//
+// Faults in the ledger: SIGKILLed workers, terminated database backends,
+// forced redeliveries and a PostgreSQL restart. Faults at the outbox
+// boundary: responses dropped after the destination committed, relays
+// SIGKILLed between send and acknowledgement, sends held past the relay's
+// lease (so two relays send one message), and the destination down for a
+// while.
+//
+// A run has four steps (start, inject, drain, check); the check counts with
+// SQL on both databases. It prints what happened and exits non-zero if any
+// transfer or receipt was applied twice or lost, money was not conserved, or
+// a dead letter is left once the destination is back.
 package main
 
 import (
 	"context"
 	"flag"
 	"fmt"
+	"io"
 	"os"
 	"os/signal"
-	"slices"
-	"text/tabwriter"
 	"time"
-
-	"github.com/dedupactivity/dedupactivity/internal/chaos"
 )
 
 func main() {
@@ -26,56 +35,81 @@ func main() {
 }
 
 func run() error {
-	var cfg chaos.Config
+	cfg := config{Log: os.Stdout}
 	flag.DurationVar(&cfg.Duration, "duration", 100*time.Second, "length of the fault phase")
-	flag.IntVar(&cfg.Workers, "workers", 3, "worker processes")
+	flag.IntVar(&cfg.Workers, "workers", 3, "worker processes (each runs a relay loop)")
 	flag.Float64Var(&cfg.Rate, "rate", 8, "workflows started per second")
-	flag.DurationVar(&cfg.KillEvery, "kill-every", 6*time.Second, "mean interval between worker SIGKILLs")
-	flag.DurationVar(&cfg.TerminateEvery, "terminate-every", 1500*time.Millisecond, "mean interval between pg_terminate_backend calls")
+	flag.DurationVar(&cfg.KillEvery, "kill-every", 6*time.Second, "mean interval between worker SIGKILLs (0: never)")
+	flag.DurationVar(&cfg.TerminateEvery, "terminate-every", 1500*time.Millisecond, "mean interval between pg_terminate_backend calls (0: never)")
 	flag.BoolVar(&cfg.RestartPostgres, "restart-postgres", true, "restart PostgreSQL once, half way")
-	flag.DurationVar(&cfg.Drain, "drain", 5*time.Minute, "how long to wait for workflows after the fault phase")
+	flag.IntVar(&cfg.DropEvery, "drop-every", 5, "drop the response of every Nth receipt delivery after the destination committed (0: never)")
+	flag.IntVar(&cfg.HoldEvery, "hold-every", 9, "hold every Nth first send of a receipt past the relay lease, so a second relay sends it (0: never)")
+	flag.DurationVar(&cfg.RelayKillEvery, "relay-kill-every", 8*time.Second, "mean interval between relays SIGKILLed after the destination committed, before they acknowledge (0: never)")
+	flag.DurationVar(&cfg.OutageEvery, "outage-every", 30*time.Second, "mean interval between receipts-service outages (0: never)")
+	flag.DurationVar(&cfg.OutageFor, "outage-for", 8*time.Second, "how long the receipts service stays down")
+	flag.DurationVar(&cfg.Drain, "drain", 5*time.Minute, "how long to wait for workflows, then for the outbox, after the fault phase")
 	flag.Parse()
-	cfg.Log = os.Stdout
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	defer stop()
-	rep, err := chaos.Run(ctx, cfg)
+	rep, err := chaos(ctx, cfg)
 	if err != nil {
 		return err
 	}
-	tw := tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "\nwhat\tcount\t")
-	row := func(k string, v any) { fmt.Fprintf(tw, "%s\t%v\t\n", k, v) }
-	row("workflows started", rep.Started)
-	row("workflows completed", rep.Completed)
-	row("workflows failed", rep.Failed)
-	outcomes := make([]string, 0, len(rep.Attempts))
-	for o := range rep.Attempts {
-		outcomes = append(outcomes, o)
-	}
-	slices.Sort(outcomes)
-	for _, o := range outcomes {
-		row("attempts: "+o+" (at least)", rep.Attempts[o])
-	}
-	row("effects applied", rep.Effects)
-	row("effects expected", rep.Expected)
-	row("double effects", rep.Doubles)
-	row("lost effects", rep.Lost)
-	row("receipts not matching ledger", rep.Mismatched)
-	row("money", fmt.Sprintf("%d (want %d)", rep.Money, rep.WantMoney))
-	row("faults: workers SIGKILLed", rep.Kills)
-	row("faults: backends terminated", rep.Terminations)
-	row("faults: PostgreSQL restarts", rep.Restarts)
-	row("faults: lost completions, overlapping attempts", "every 4th / 7th transfer")
-	tw.Flush()
-	fmt.Printf("took %s\n", rep.Took.Round(time.Second))
+	rep.print(os.Stdout)
 	if !rep.OK() {
-		fmt.Println("\nVIOLATIONS:")
-		for _, v := range rep.Violations {
-			fmt.Println("  -", v)
-		}
 		return fmt.Errorf("%d violations", len(rep.Violations))
 	}
-	fmt.Println("\nALL INVARIANTS HOLD: nothing applied twice, nothing lost, money conserved")
 	return nil
+}
+
+// config sets a run's size and faults. A zero interval or count turns its
+// fault off.
+type config struct {
+	Duration       time.Duration // fault phase; workflows are started throughout it
+	Workers        int           // worker processes kept running
+	Rate           float64       // workflows started per second
+	KillEvery      time.Duration // mean interval between worker SIGKILLs
+	TerminateEvery time.Duration // mean interval between pg_terminate_backend calls
+	// RestartPostgres restarts PostgreSQL (fast shutdown + start) once, half
+	// way through.
+	RestartPostgres bool
+	DropEvery       int           // every Nth receipt POST: response dropped after commit
+	HoldEvery       int           // every Nth first send of a key: held past the relay lease
+	RelayKillEvery  time.Duration // mean interval between relays killed between send and ack
+	OutageEvery     time.Duration // mean interval between receipts-service outages
+	OutageFor       time.Duration // length of each outage
+	Drain           time.Duration // bounds each wait after the fault phase
+	Log             io.Writer     // progress lines; nil discards them
+}
+
+// chaos is one run: start every part, inject faults while starting
+// transfers, drain (faults off, destination back, everything settled), and
+// check both databases.
+func chaos(ctx context.Context, cfg config) (*report, error) {
+	began := time.Now()
+	r, err := start(ctx, cfg)
+	if err != nil {
+		return nil, err
+	}
+	defer r.close()
+
+	runs, faults := inject(ctx, r, cfg)
+	r.logf("fault phase over: draining %d workflows and the outbox ...", len(runs))
+	done, err := drain(ctx, r, cfg, runs)
+	if err != nil {
+		return nil, err
+	}
+	rep, err := check(ctx, r, done)
+	if err != nil {
+		return nil, err
+	}
+	rep.Faults = faults
+	rep.Proxy = r.proxy.counts()
+	rep.Reconciled = done.reconciled
+	if rep.Attempts, err = r.workers.counts(); err != nil {
+		return nil, err
+	}
+	rep.Took = time.Since(began)
+	return rep, nil
 }

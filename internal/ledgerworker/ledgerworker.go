@@ -88,9 +88,13 @@ type Config struct {
 }
 
 // ConfigFromEnv reads Config from the environment, with the defaults above.
+// OUTBOX_RELAY_LEASE sets Relay.Lease (the chaos harness shortens it so that
+// a held send is taken over by another relay).
 func ConfigFromEnv() Config {
 	interval, _ := time.ParseDuration(os.Getenv("PRUNE_INTERVAL"))
+	lease, _ := time.ParseDuration(os.Getenv("OUTBOX_RELAY_LEASE"))
 	return Config{
+		Relay:           outbox.RelayConfig{Lease: lease},
 		PruneInterval:   interval,
 		TemporalAddress: cmp.Or(os.Getenv("TEMPORAL_ADDRESS"), DefaultTemporalAddress),
 		Namespace:       cmp.Or(os.Getenv("TEMPORAL_NAMESPACE"), DefaultNamespace),
