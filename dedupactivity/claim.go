@@ -131,7 +131,7 @@ func (d *Deduper) begin(ctx context.Context, m *marker) (*pgxpool.Conn, pgx.Tx, 
 		_, err = br.Exec()
 		claimed := false
 		if err == nil {
-			claimed, err = d.store.readClaim(br)
+			claimed, err = d.store.readClaim(br, m)
 		}
 		if cerr := br.Close(); err == nil {
 			err = cerr

@@ -69,7 +69,7 @@ func ClaimTx[Out any](ctx context.Context, d *Deduper, tx pgx.Tx, id Identity, i
 	}
 	hash := sha256Sum(enc)
 	c := &Claim[Out]{d: d, tx: tx, info: info, m: &marker{
-		hash: hash[:], attempt: info.Attempt, activityType: validText(info.ActivityType.Name), identity: enc,
+		hash: hash[:], attempt: info.Attempt, activityType: validText(info.ActivityType.Name),
 		expiresAt: time.Now().Add(d.opts.Retention),
 	}}
 	if d.opts.DiscardResults {
@@ -92,7 +92,7 @@ func ClaimTx[Out any](ctx context.Context, d *Deduper, tx pgx.Tx, id Identity, i
 	b := &pgx.Batch{}
 	d.store.queueClaim(b, c.m, claimWait(ctx, d.opts.ClaimWait))
 	br := tx.SendBatch(ctx, b)
-	claimed, err := d.store.readClaim(br)
+	claimed, err := d.store.readClaim(br, c.m)
 	if cerr := br.Close(); err == nil {
 		err = cerr
 	}
@@ -112,9 +112,15 @@ func ClaimTx[Out any](ctx context.Context, d *Deduper, tx pgx.Tx, id Identity, i
 	// marker (READ COMMITTED takes a new snapshot; under the stricter levels
 	// the claim has failed already if the marker is not visible).
 	b = &pgx.Batch{}
+	b.Queue(d.store.restoreLockTimeout) // the caller's transaction goes on
 	d.store.queueRead(b, c.m)
 	br = tx.SendBatch(ctx, b)
-	st, found, rerr := readStored(br)
+	_, rerr := br.Exec()
+	var st stored
+	found := false
+	if rerr == nil {
+		st, found, rerr = readStored(br)
+	}
 	if cerr := br.Close(); rerr == nil {
 		rerr = cerr
 	}

@@ -106,3 +106,9 @@ func deliver[In, Out any](t *testing.T, name string, fn func(context.Context, In
 	require.NoError(t, val.Get(&out))
 	return out, nil
 }
+
+// hashOf is the marker's primary key for id.
+func hashOf(id dedupactivity.Identity) []byte {
+	h := id.Hash()
+	return h[:]
+}

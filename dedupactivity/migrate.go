@@ -54,7 +54,7 @@ func readMigrations(partitioned bool) ([]migration, error) {
 
 // markerColumns are the columns the claim uses; a table that has them all is
 // taken as migrated, whoever created it.
-var markerColumns = []string{"id_hash", "attempt", "claimed_at", "expires_at", "activity_type", "identity", "fingerprint", "result"}
+var markerColumns = []string{"id_hash", "attempt", "claimed_at", "expires_at", "activity_type", "fingerprint", "result"}
 
 // migrateLockKey is the advisory lock every Migrate in a database takes, so
 // that concurrent calls creating tables in one new schema do not race on the

@@ -181,8 +181,8 @@ func TestPruneBatchesAndRetentionBound(t *testing.T) {
 	ctx := context.Background()
 	// 2,500 expired markers and 10 live ones.
 	_, err := b.pool.Exec(ctx, `
-INSERT INTO dedup_marker (id_hash, identity, activity_type, attempt, expires_at)
-SELECT sha256(int4send(g)), int4send(g), 'T', 1,
+INSERT INTO dedup_marker (id_hash, activity_type, attempt, expires_at)
+SELECT sha256(int4send(g)), 'T', 1,
        CASE WHEN g <= 2500 THEN now() - interval '1 hour' ELSE now() + interval '1 hour' END
 FROM generate_series(1, 2510) g`)
 	require.NoError(t, err)

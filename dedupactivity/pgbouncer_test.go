@@ -115,7 +115,7 @@ func (b *bouncerBundle) rows(t *testing.T, key string) (ledger, markers int64) {
 	t.Helper()
 	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Record", Key: key}
 	return b.count(t, `SELECT count(*) FROM ledger WHERE account = $1`, key),
-		b.count(t, `SELECT count(*) FROM dedup_marker WHERE identity = $1`, id.Encode())
+		b.count(t, `SELECT count(*) FROM dedup_marker WHERE id_hash = $1`, hashOf(id))
 }
 
 func recordID(key string) dedupactivity.Identity {

@@ -55,7 +55,7 @@ func claimDupMismatch(t *testing.T, d *dedupactivity.Deduper, b *testBundle, key
 	require.ErrorIs(t, err, dedupactivity.ErrPayloadMismatch)
 	require.Equal(t, dedupactivity.OutcomePayloadMismatch, outcome)
 	require.Equal(t, int64(1), b.count(t, `SELECT count(*) FROM ledger WHERE amount = 3 AND id = $1`, first.EntryID))
-	require.Equal(t, int64(1), b.count(t, `SELECT count(*) FROM dedup_marker WHERE identity = $1`, id.Encode()))
+	require.Equal(t, int64(1), b.count(t, `SELECT count(*) FROM dedup_marker WHERE id_hash = $1`, hashOf(id)))
 }
 
 // TestAnySessionSettingAndExecMode: claims, duplicates and mismatches work

@@ -14,6 +14,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 )
 
 // SQLSTATEs this package names.
@@ -37,15 +38,21 @@ type store struct {
 	// saveLockTimeout remembers the transaction's lock_timeout in a custom
 	// setting and sets the claim's bound; restoreLockTimeout puts it back,
 	// so the effect runs under the session's own lock_timeout.
-	saveLockTimeout, restoreLockTimeout string
-	// insert claims the event: it returns a row only if it inserted the
-	// marker. ON CONFLICT DO NOTHING waits for a concurrent transaction that
-	// inserted the same key: if that one commits, this one inserts nothing
-	// (a duplicate); if it rolls back, this one inserts.
-	insert string
-	// complete stores the result in the marker this transaction inserted.
-	// The xmin condition makes it match nothing when the effect ended the
-	// claim's transaction and began another.
+	// insert claims the event in one statement: it sets the claim's
+	// lock_timeout (saving the transaction's own in a custom setting) in
+	// its FROM clause, so before the insert can wait; inserts the marker
+	// with ON CONFLICT DO NOTHING, which waits for a concurrent transaction
+	// that inserted the same key (if that one commits, this one inserts
+	// nothing: a duplicate; if it rolls back, this one inserts); and in
+	// RETURNING, evaluated only for an inserted row, puts the saved
+	// lock_timeout back and returns the new row's ctid. When nothing is
+	// inserted the claim's lock_timeout stays until the transaction ends:
+	// restoreLockTimeout puts it back for a caller that goes on.
+	insert             string
+	restoreLockTimeout string
+	// complete stores the result in the marker this transaction inserted,
+	// found by its ctid. The xmin condition makes it match nothing when the
+	// effect ended the claim's transaction and began another.
 	complete string
 	// read returns a committed marker.
 	read string
@@ -62,19 +69,20 @@ type store struct {
 func newStore(table string, partitioned bool, defaultPartition string) *store {
 	keyCol, keyVal, completeCond, readCond, pruned := ``, ``, ``, ``, table
 	if partitioned {
-		keyCol, keyVal, pruned = `, scheduled_at`, `, $8`, defaultPartition
+		keyCol, keyVal, pruned = `, scheduled_at`, `, $8::timestamptz`, defaultPartition
 		completeCond, readCond = ` AND scheduled_at = $3`, ` AND scheduled_at = $2`
 	}
 	return &store{
 		table:       table,
 		partitioned: partitioned,
-		saveLockTimeout: `SELECT set_config('dedupactivity.lock_timeout', current_setting('lock_timeout'), true),
-	set_config('lock_timeout', $1, true)`,
+		insert: `INSERT INTO ` + table + ` (id_hash, attempt, expires_at, activity_type, fingerprint, result` + keyCol + `)
+SELECT $1::bytea, $2::int4, $3::timestamptz, $4::text, $5::bytea, $6::bytea` + keyVal + `
+FROM (SELECT set_config('dedupactivity.lock_timeout', current_setting('lock_timeout'), true),
+	set_config('lock_timeout', $7, true)) AS claim_wait
+ON CONFLICT DO NOTHING
+RETURNING ctid, set_config('lock_timeout', current_setting('dedupactivity.lock_timeout'), true)`,
 		restoreLockTimeout: `SELECT set_config('lock_timeout', current_setting('dedupactivity.lock_timeout'), true)`,
-		insert: `INSERT INTO ` + table + ` (id_hash, attempt, expires_at, activity_type, identity, fingerprint, result` + keyCol + `)
-VALUES ($1, $2, $3, $4, $5, $6, $7` + keyVal + `)
-ON CONFLICT DO NOTHING RETURNING true`,
-		complete: `UPDATE ` + table + ` SET result = $2 WHERE id_hash = $1` + completeCond + ` AND xmin = pg_current_xact_id()::xid`,
+		complete:           `UPDATE ` + table + ` SET result = $2 WHERE ctid = $1` + completeCond + ` AND xmin = pg_current_xact_id()::xid`,
 		// bytea read as hex text: pgx decodes bytea text only in the hex
 		// output format, and the simple protocol reads text whatever
 		// bytea_output says.
@@ -149,45 +157,35 @@ type marker struct {
 	attempt      int32
 	expiresAt    time.Time
 	activityType string
-	identity     []byte
 	fingerprint  []byte // nil: not compared
 	result       []byte // nil, or empty when results are discarded
 	scheduledAt  time.Time
+	ctid         pgtype.TID // of the inserted row, once claimed
 }
 
-// queueClaim queues the claim's statements on b: the lock_timeout bound,
-// the insert, and the restore. The caller reads them with readClaim.
+// queueClaim queues the claim on b; readClaim reads it.
 func (s *store) queueClaim(b *pgx.Batch, m *marker, wait time.Duration) {
-	b.Queue(s.saveLockTimeout, fmt.Sprintf("%dms", wait.Milliseconds()))
-	args := []any{m.hash, m.attempt, m.expiresAt, m.activityType, m.identity, m.fingerprint, m.result}
+	args := []any{m.hash, m.attempt, m.expiresAt, m.activityType, m.fingerprint, m.result, fmt.Sprintf("%dms", wait.Milliseconds())}
 	if s.partitioned {
 		args = append(args, m.scheduledAt)
 	}
 	b.Queue(s.insert, args...)
-	b.Queue(s.restoreLockTimeout)
 }
 
 // readClaim reads what queueClaim queued. claimed is false when the marker
-// was already committed (a duplicate).
-func (s *store) readClaim(br pgx.BatchResults) (claimed bool, err error) {
-	if _, err := br.Exec(); err != nil {
-		return false, err
-	}
-	err = br.QueryRow().Scan(&claimed)
+// was already committed (a duplicate); when true, m.ctid is the new row's.
+func (s *store) readClaim(br pgx.BatchResults, m *marker) (claimed bool, err error) {
+	err = br.QueryRow().Scan(&m.ctid, nil)
 	if errors.Is(err, pgx.ErrNoRows) {
-		claimed, err = false, nil
+		return false, nil
 	}
-	if err != nil {
-		return false, err
-	}
-	_, err = br.Exec()
-	return claimed, err
+	return err == nil, err
 }
 
 // queueComplete queues the result update; readComplete reports whether it
 // found the marker this transaction inserted.
 func (s *store) queueComplete(b *pgx.Batch, m *marker) {
-	args := []any{m.hash, m.result}
+	args := []any{m.ctid, m.result}
 	if s.partitioned {
 		args = append(args, m.scheduledAt)
 	}

@@ -2,6 +2,7 @@ package dedupactivity_test
 
 import (
 	"context"
+	"crypto/sha256"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -11,8 +12,8 @@ import (
 
 // TestAnyTextStoredAsSent: identities and activity types holding quotes,
 // backslashes, dollar quotes, NUL or invalid UTF-8 claim exactly one event
-// each, the identity bytes are stored exactly, and the activity type as it
-// is (bytes text cannot hold become U+FFFD).
+// each, under the SHA-256 of the identity's exact bytes, and the activity
+// type is stored as it is (bytes text cannot hold become U+FFFD).
 func TestAnyTextStoredAsSent(t *testing.T) {
 	t.Parallel()
 	b := setup(t, dedupactivity.Options{})
@@ -41,11 +42,9 @@ func TestAnyTextStoredAsSent(t *testing.T) {
 		require.Equal(t, dedupactivity.OutcomeDuplicate, outcome, "%q", sent)
 
 		var typ string
-		var stored []byte
-		h := id.Hash()
-		require.NoError(t, b.pool.QueryRow(ctx, `SELECT activity_type, identity FROM dedup_marker WHERE id_hash = $1`, h[:]).Scan(&typ, &stored))
+		h := sha256.Sum256(id.Encode())
+		require.NoError(t, b.pool.QueryRow(ctx, `SELECT activity_type FROM dedup_marker WHERE id_hash = $1`, h[:]).Scan(&typ))
 		require.Equal(t, want, typ, "%q", sent)
-		require.Equal(t, id.Encode(), stored, "%q: the identity bytes are stored exactly", sent)
 	}
 	require.Equal(t, int64(len(cases)), b.ledgerRows(t))
 	require.Equal(t, int64(len(cases)), b.markers(t))

@@ -205,7 +205,7 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 		return out, a, err
 	}
 	hash := sha256Sum(enc)
-	m := &marker{hash: hash[:], attempt: info.Attempt, activityType: validText(info.ActivityType.Name), identity: enc}
+	m := &marker{hash: hash[:], attempt: info.Attempt, activityType: validText(info.ActivityType.Name)}
 	if w.d.opts.PartitionInterval > 0 {
 		if id.Kind != KindActivity && id.Kind != KindStandalone || info.ScheduledTime.IsZero() {
 			return out, a, fmt.Errorf("%w: the partitioned layout (PartitionInterval) supports run-scoped identities of regular and standalone activities only, not %s identities or calls outside an activity: their deliveries do not share a ScheduledTime", ErrInvalidOptions, id.Kind)

@@ -9,7 +9,8 @@
 -- idempotent, so a migration tool and Deduper.Migrate can both apply it.
 CREATE TABLE IF NOT EXISTS "dedup_marker" (
     -- SHA-256 of the canonical identity encoding (dedupactivity.Identity):
-    -- fixed size, so any identity fits a btree entry.
+    -- fixed size, so any identity fits a btree entry. The identity itself
+    -- is not stored: spans carry this hash beside the Temporal IDs.
     "id_hash"       bytea       NOT NULL,
     "attempt"       integer     NOT NULL,
     "claimed_at"    timestamptz NOT NULL DEFAULT now(),
@@ -17,8 +18,6 @@ CREATE TABLE IF NOT EXISTS "dedup_marker" (
     -- the activity's ScheduleToClose bound).
     "expires_at"    timestamptz NOT NULL,
     "activity_type" text        NOT NULL,
-    -- The canonical identity encoding itself, for operators and audits.
-    "identity"      bytea       NOT NULL,
     -- Fingerprint of a business-keyed input (NULL for run-scoped
     -- identities, whose input Temporal's history fixes).
     "fingerprint"   bytea,

@@ -36,9 +36,8 @@ func (b *bench) pruneBench(ctx context.Context, n int) (*pruneResult, error) {
 	}
 	fill := func(lo, hi int, expires string) error {
 		_, err := b.pool.Exec(ctx, `
-INSERT INTO dedup_prune (id_hash, identity, activity_type, result, attempt, expires_at)
-SELECT sha256(int8send(g)), convert_to('default/transfer-' || g || '/6f1c2a3e-9b7d-4c21-8a55-' || lpad(g::text, 12, '0') || '/5', 'UTF8'),
-       'Post', convert_to('{"EntryID":' || g || '}', 'UTF8'), 1, `+expires+`
+INSERT INTO dedup_prune (id_hash, activity_type, result, attempt, expires_at)
+SELECT sha256(int8send(g)), 'Post', convert_to('{"EntryID":' || g || '}', 'UTF8'), 1, `+expires+`
 FROM generate_series($1::bigint, $2::bigint - 1) g`, lo, hi)
 		return err
 	}

@@ -23,8 +23,8 @@ func TestPruneSchedule(t *testing.T) {
 	_, err := b.transfer(t, workflows.TransferRequest{TransferID: "live", From: "alice", To: "bob", Amount: 1})
 	require.NoError(t, err)
 	_, err = b.pool.Exec(ctx, `
-INSERT INTO dedup_marker (id_hash, identity, activity_type, attempt, expires_at)
-SELECT sha256(int4send(g)), int4send(g), 'Old', 1, now() - interval '1 day'
+INSERT INTO dedup_marker (id_hash, activity_type, attempt, expires_at)
+SELECT sha256(int4send(g)), 'Old', 1, now() - interval '1 day'
 FROM generate_series(1, 2500) g`)
 	require.NoError(t, err)
 

@@ -121,7 +121,7 @@ func TestGolangMigrateDefaultLayout(t *testing.T) {
 		require.Equal(t, dedupactivity.OutcomeDuplicate, outcome)
 		require.Equal(t, first, dup)
 		require.Equal(t, wantLedger, b.count(t, `SELECT count(*) FROM ledger WHERE key = $1`, key))
-		require.Equal(t, int64(1), b.count(t, `SELECT count(*) FROM dedup_marker WHERE identity = $1`, id.Encode()))
+		require.Equal(t, int64(1), b.count(t, `SELECT count(*) FROM dedup_marker WHERE id_hash = $1`, func() []byte { h := id.Hash(); return h[:] }()))
 	}
 
 	require.NoError(t, b.m.Up())

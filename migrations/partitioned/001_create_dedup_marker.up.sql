@@ -13,7 +13,6 @@ CREATE TABLE IF NOT EXISTS "dedup_marker" (
     "claimed_at"    timestamptz NOT NULL DEFAULT now(),
     "expires_at"    timestamptz NOT NULL,
     "activity_type" text        NOT NULL,
-    "identity"      bytea       NOT NULL,
     "fingerprint"   bytea,
     "result"        bytea,
     CONSTRAINT "dedup_marker_pkey" PRIMARY KEY ("id_hash", "scheduled_at"),
