@@ -1,5 +1,6 @@
 // Command worker runs the example ledger worker: TransferWorkflow and the
-// dedup-wrapped Debit and Credit activities.
+// Debit and Credit activities, whose effects dedupactivity applies once per
+// event.
 //
 // Configuration comes from the environment (defaults match docker-compose.yml):
 //
@@ -7,25 +8,32 @@
 //	TEMPORAL_NAMESPACE  namespace                     (default)
 //	TASK_QUEUE          task queue                    (ledger-transfers)
 //	DATABASE_URL        PostgreSQL connection string  (postgres://postgres:postgres@127.0.0.1:5432/ledger?sslmode=disable)
+//	RECEIPTS_URL        receipts service; when set, Credit sends a receipt through the outbox
+//	METRICS_ADDR        serve /metrics for Prometheus here (say 127.0.0.1:9464)
+//	PRUNE_INTERVAL      how often the prune Schedule runs (1h)
 //	OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_SERVICE_NAME, ...: the standard
-//	OpenTelemetry variables; traces and metrics are exported over OTLP/gRPC
-//	when an endpoint is set.
+//	OpenTelemetry variables; traces and metrics go out over OTLP/gRPC when
+//	an endpoint is set.
 //
-// It migrates the marker table and the ledger schema at start, and on SIGINT
-// or SIGTERM stops polling, lets in-flight activities finish, and flushes
-// spans before exiting.
+// On SIGINT or SIGTERM it stops polling, lets in-flight activities finish,
+// and flushes telemetry before exiting.
 package main
 
 import (
 	"context"
 	"fmt"
 	"log"
-	"os"
-	"os/signal"
-	"syscall"
 	"time"
 
+	"go.temporal.io/sdk/client"
+	"go.temporal.io/sdk/worker"
+	"go.temporal.io/sdk/workflow"
+
+	"github.com/dedupactivity/dedupactivity/activities"
+	"github.com/dedupactivity/dedupactivity/dedupactivity"
+	"github.com/dedupactivity/dedupactivity/dedupactivity/outbox"
 	"github.com/dedupactivity/dedupactivity/internal/ledgerworker"
+	"github.com/dedupactivity/dedupactivity/workflows"
 )
 
 func main() {
@@ -35,34 +43,76 @@ func main() {
 }
 
 func run() error {
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-
+	ctx := context.Background()
+	cfg := ledgerworker.ConfigFromEnv()
 	tel, err := ledgerworker.TelemetryFromEnv(ctx, "ledger-worker")
 	if err != nil {
 		return err
 	}
-	if path := os.Getenv("DEDUP_COUNTS_FILE"); path != "" {
-		// Used by the chaos harness: outcome counts, snapshotted to a file.
-		tel.MeterProvider = ledgerworker.CountsToFile(ctx, path, 200*time.Millisecond)
-	}
-	defer func() {
-		sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		if err := tel.Shutdown(sctx); err != nil {
-			log.Printf("flush telemetry: %v", err)
-		}
-	}()
+	defer flush(tel)
 
-	cfg := ledgerworker.ConfigFromEnv()
-	w, err := ledgerworker.Start(ctx, cfg, tel)
+	// PostgreSQL: a pool with a connection per concurrent activity, the
+	// Deduper, and the marker table and ledger schema.
+	pool, err := ledgerworker.OpenPool(ctx, cfg)
 	if err != nil {
 		return err
 	}
+	defer pool.Close()
+	d, err := dedupactivity.New(pool, dedupactivity.Options{TracerProvider: tel.TracerProvider, MeterProvider: tel.MeterProvider})
+	if err != nil {
+		return err
+	}
+	if err := ledgerworker.Migrate(ctx, d, pool); err != nil {
+		return err
+	}
+
+	// Temporal: the client (with the tracing interceptor) and the worker.
+	copts, err := ledgerworker.ClientOptions(cfg, tel)
+	if err != nil {
+		return err
+	}
+	c, err := client.Dial(copts)
+	if err != nil {
+		return fmt.Errorf("connect to Temporal at %s: %w", cfg.TemporalAddress, err)
+	}
+	defer c.Close()
+	w := worker.New(c, cfg.TaskQueue, ledgerworker.WorkerOptions(cfg))
+
+	// Receipts through the outbox, when a receipts service is configured.
+	var ob *outbox.Outbox
+	var rc *outbox.Reconciler
+	if cfg.ReceiptsURL != "" {
+		relay, reconciler, err := ledgerworker.Receipts(ctx, cfg, pool, tel)
+		if err != nil {
+			return err
+		}
+		ob, rc = relay.Outbox(), reconciler
+		outbox.RegisterRelay(w, relay)
+		outbox.RegisterReconciler(w, rc)
+		relayCtx, stopRelay := context.WithCancel(ctx)
+		defer stopRelay()
+		go func() { _ = relay.Run(relayCtx) }()
+	}
+
+	// The workflow, the activities struct (Debit and Credit, their effects
+	// wrapped by d) and the pruner.
+	w.RegisterWorkflowWithOptions(workflows.TransferWorkflow, workflow.RegisterOptions{Name: workflows.TransferWorkflowName})
+	w.RegisterActivity(activities.New(d, ob))
+	dedupactivity.RegisterPruner(w, d)
+	ledgerworker.WarnRedelivery(copts.Logger, cfg)
+	if err := ledgerworker.Schedules(ctx, c, cfg, d, rc); err != nil {
+		return err
+	}
+
 	log.Printf("worker polling task queue %q on %s (namespace %q)", cfg.TaskQueue, cfg.TemporalAddress, cfg.Namespace)
-	<-ctx.Done()
-	log.Printf("stopping: draining in-flight activities")
-	w.Stop()
-	fmt.Fprintln(os.Stderr, "worker stopped")
-	return nil
+	return w.Run(worker.InterruptCh())
+}
+
+// flush sends the telemetry still buffered.
+func flush(tel *ledgerworker.Telemetry) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := tel.Shutdown(ctx); err != nil {
+		log.Printf("flush telemetry: %v", err)
+	}
 }

@@ -138,7 +138,8 @@ type TelemetryConfig struct {
 // set, unless OTEL_TRACES_EXPORTER or OTEL_METRICS_EXPORTER is "none", and
 // serves metrics for Prometheus on METRICS_ADDR (say 127.0.0.1:9464) when set;
 // otherwise it uses the global (no-op) providers. The service name is
-// OTEL_SERVICE_NAME, defaulting to serviceName.
+// OTEL_SERVICE_NAME, defaulting to serviceName. DEDUP_COUNTS_FILE (set by
+// the chaos harness) snapshots the dedup outcome counts to that file.
 func TelemetryFromEnv(ctx context.Context, serviceName string) (*Telemetry, error) {
 	endpoint := os.Getenv("OTEL_EXPORTER_OTLP_ENDPOINT")
 	cfg := TelemetryConfig{
@@ -151,7 +152,11 @@ func TelemetryFromEnv(ctx context.Context, serviceName string) (*Telemetry, erro
 	if cmp.Or(os.Getenv("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"), endpoint) != "" && os.Getenv("OTEL_METRICS_EXPORTER") != "none" {
 		cfg.MetricsEndpoint = "env"
 	}
-	return NewTelemetry(ctx, cfg)
+	t, err := NewTelemetry(ctx, cfg)
+	if err == nil && os.Getenv("DEDUP_COUNTS_FILE") != "" {
+		t.MeterProvider = CountsToFile(ctx, os.Getenv("DEDUP_COUNTS_FILE"), 200*time.Millisecond)
+	}
+	return t, err
 }
 
 // NewTelemetry builds the providers cfg asks for; with nothing configured
@@ -268,13 +273,54 @@ type Worker struct {
 // ReconcileScheduleID is the ID of the worker's outbox reconcile schedule.
 func ReconcileScheduleID(taskQueue string) string { return "outbox-reconcile-" + taskQueue }
 
+// Migrate creates the marker table and the ledger schema, retrying with
+// backoff while the database restarts or fails over (see Retry).
+func Migrate(ctx context.Context, d *dedupactivity.Deduper, pool *pgxpool.Pool) error {
+	if err := Retry(ctx, time.Minute, d.Migrate); err != nil {
+		return fmt.Errorf("migrate markers: %w", err)
+	}
+	if err := Retry(ctx, time.Minute, func(ctx context.Context) error { return activities.Migrate(ctx, pool) }); err != nil {
+		return fmt.Errorf("migrate ledger: %w", err)
+	}
+	return nil
+}
+
+// ClientOptions are the Temporal client's options: the address and
+// namespace of cfg, the OpenTelemetry tracing interceptor (so each
+// activity's RunActivity span is the parent of its Dedup span), and the
+// SDK's metrics through tel.
+func ClientOptions(cfg Config, tel *Telemetry) (client.Options, error) {
+	tracing, err := temporalotel.NewTracingInterceptor(temporalotel.TracerOptions{
+		Tracer: tel.TracerProvider.Tracer("temporal-sdk-go"),
+	})
+	if err != nil {
+		return client.Options{}, fmt.Errorf("tracing interceptor: %w", err)
+	}
+	return client.Options{
+		HostPort:       cfg.TemporalAddress,
+		Namespace:      cfg.Namespace,
+		Interceptors:   []interceptor.ClientInterceptor{tracing},
+		Logger:         cmp.Or[tlog.Logger](cfg.Logger, QuietLogger()),
+		MetricsHandler: tel.SDKMetrics, // nil: the SDK's no-op handler
+	}, nil
+}
+
+// WorkerOptions caps concurrent activities at what the pool can serve (each
+// attempt holds a connection for its transaction).
+func WorkerOptions(cfg Config) worker.Options {
+	return worker.Options{
+		MaxConcurrentActivityExecutionSize: cmp.Or(cfg.MaxConcurrentActivities, 32),
+		WorkerStopTimeout:                  10 * time.Second,
+	}
+}
+
 // Start connects to PostgreSQL and Temporal, migrates, registers the
-// workflows and wrapped activities and starts polling.
+// workflows and wrapped activities and starts polling: worker/main.go's
+// steps, for the demo and the tests, which run the worker in-process.
 func Start(ctx context.Context, cfg Config, tel *Telemetry) (_ *Worker, err error) {
 	if tel == nil {
 		tel = &Telemetry{TracerProvider: otel.GetTracerProvider(), MeterProvider: otel.GetMeterProvider()}
 	}
-	cfg.MaxConcurrentActivities = cmp.Or(cfg.MaxConcurrentActivities, 32)
 	pool, err := OpenPool(ctx, cfg)
 	if err != nil {
 		return nil, err
@@ -290,82 +336,52 @@ func Start(ctx context.Context, cfg Config, tel *Telemetry) (_ *Worker, err erro
 	if err != nil {
 		return nil, err
 	}
-	// At start the database may be restarting or failing over: retry
-	// what a retry can fix, with backoff, as the Temporal client's dial
-	// does.
-	if err := Retry(ctx, time.Minute, d.Migrate); err != nil {
-		return nil, fmt.Errorf("migrate markers: %w", err)
+	if err := Migrate(ctx, d, pool); err != nil {
+		return nil, err
 	}
-	if err := Retry(ctx, time.Minute, func(ctx context.Context) error { return activities.Migrate(ctx, pool) }); err != nil {
-		return nil, fmt.Errorf("migrate ledger: %w", err)
-	}
-
-	tracing, err := temporalotel.NewTracingInterceptor(temporalotel.TracerOptions{
-		Tracer: tel.TracerProvider.Tracer("temporal-sdk-go"),
-	})
+	copts, err := ClientOptions(cfg, tel)
 	if err != nil {
-		return nil, fmt.Errorf("tracing interceptor: %w", err)
+		return nil, err
 	}
-	logger := cfg.Logger
-	if logger == nil {
-		logger = QuietLogger()
-	}
-	c, err := client.Dial(client.Options{
-		HostPort:       cfg.TemporalAddress,
-		Namespace:      cfg.Namespace,
-		Interceptors:   []interceptor.ClientInterceptor{tracing},
-		Logger:         logger,
-		MetricsHandler: tel.SDKMetrics, // nil: the SDK's no-op handler
-	})
+	c, err := client.Dial(copts)
 	if err != nil {
 		return nil, fmt.Errorf("connect to Temporal at %s: %w", cfg.TemporalAddress, err)
 	}
-	w := worker.New(c, cfg.TaskQueue, worker.Options{
-		MaxConcurrentActivityExecutionSize: cfg.MaxConcurrentActivities,
-		WorkerStopTimeout:                  10 * time.Second,
-	})
-	w.RegisterWorkflowWithOptions(workflows.TransferWorkflow, workflow.RegisterOptions{Name: workflows.TransferWorkflowName})
-	var relay *outbox.Relay
-	var rc *outbox.Reconciler
-	if cfg.ReceiptsURL != "" {
-		if relay, rc, err = outboxFor(ctx, cfg, pool, tel); err != nil {
+	defer func() {
+		if err != nil {
 			c.Close()
+		}
+	}()
+	w := worker.New(c, cfg.TaskQueue, WorkerOptions(cfg))
+	var (
+		relay *outbox.Relay
+		rc    *outbox.Reconciler
+		ob    *outbox.Outbox
+	)
+	if cfg.ReceiptsURL != "" {
+		if relay, rc, err = Receipts(ctx, cfg, pool, tel); err != nil {
 			return nil, err
 		}
+		ob = relay.Outbox()
 		outbox.RegisterRelay(w, relay)
 		outbox.RegisterReconciler(w, rc)
 	}
-	var ob *outbox.Outbox
-	if relay != nil {
-		ob = relay.Outbox()
-	}
-	acts := activities.New(d, ob)
-	w.RegisterActivity(acts)
+	w.RegisterWorkflowWithOptions(workflows.TransferWorkflow, workflow.RegisterOptions{Name: workflows.TransferWorkflowName})
+	w.RegisterActivity(activities.New(d, ob))
 	dedupactivity.RegisterPruner(w, d)
-	for _, name := range []string{activities.DebitName, activities.CreditName} {
-		if warning := dedupactivity.RedeliveryWarning(name, workflows.ActivityOptions(0), cmp.Or(cfg.Dedup.Retention, dedupactivity.DefaultRetention)); warning != "" {
-			logger.Warn("dedup retention does not cover redelivery", "warning", warning)
-		}
-	}
+	WarnRedelivery(copts.Logger, cfg)
 	if cfg.Register != nil {
 		cfg.Register(w, d, pool)
 	}
 	if err := w.Start(); err != nil {
-		c.Close()
 		return nil, fmt.Errorf("start worker: %w", err)
 	}
-	if err := dedupactivity.EnsurePruneSchedule(ctx, c, d, PruneScheduleID(cfg.TaskQueue), cfg.TaskQueue, cmp.Or(cfg.PruneInterval, time.Hour)); err != nil {
+	if err := Schedules(ctx, c, cfg, d, rc); err != nil {
 		w.Stop()
-		c.Close()
 		return nil, err
 	}
 	out := &Worker{Client: c, Pool: pool, Deduper: d, Worker: w, stopRelay: func() {}}
 	if relay != nil {
-		if err := outbox.EnsureReconcileSchedule(ctx, c, rc, ReconcileScheduleID(cfg.TaskQueue), cfg.TaskQueue, time.Minute); err != nil {
-			w.Stop()
-			c.Close()
-			return nil, err
-		}
 		relayCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 		done := make(chan struct{})
 		go func() { defer close(done); _ = relay.Run(relayCtx) }()
@@ -375,9 +391,31 @@ func Start(ctx context.Context, cfg Config, tel *Telemetry) (_ *Worker, err erro
 	return out, nil
 }
 
-// outboxFor migrates the outbox and builds the relay and reconciler for the
+// WarnRedelivery logs when the Deduper's retention does not cover how long
+// Temporal may redeliver the example's activities.
+func WarnRedelivery(logger tlog.Logger, cfg Config) {
+	for _, name := range []string{activities.DebitName, activities.CreditName} {
+		if warning := dedupactivity.RedeliveryWarning(name, workflows.ActivityOptions(0), cmp.Or(cfg.Dedup.Retention, dedupactivity.DefaultRetention)); warning != "" {
+			logger.Warn("dedup retention does not cover redelivery", "warning", warning)
+		}
+	}
+}
+
+// Schedules creates, if missing, the Temporal Schedules that prune markers
+// and (with the receipts relay, rc not nil) reconcile the outbox.
+func Schedules(ctx context.Context, c client.Client, cfg Config, d *dedupactivity.Deduper, rc *outbox.Reconciler) error {
+	if err := dedupactivity.EnsurePruneSchedule(ctx, c, d, PruneScheduleID(cfg.TaskQueue), cfg.TaskQueue, cmp.Or(cfg.PruneInterval, time.Hour)); err != nil {
+		return err
+	}
+	if rc == nil {
+		return nil
+	}
+	return outbox.EnsureReconcileSchedule(ctx, c, rc, ReconcileScheduleID(cfg.TaskQueue), cfg.TaskQueue, time.Minute)
+}
+
+// Receipts migrates the outbox and builds the relay and reconciler for the
 // receipts service at cfg.ReceiptsURL.
-func outboxFor(ctx context.Context, cfg Config, pool *pgxpool.Pool, tel *Telemetry) (*outbox.Relay, *outbox.Reconciler, error) {
+func Receipts(ctx context.Context, cfg Config, pool *pgxpool.Pool, tel *Telemetry) (*outbox.Relay, *outbox.Reconciler, error) {
 	ob, err := outbox.New(pool, outbox.Options{})
 	if err != nil {
 		return nil, nil, err
