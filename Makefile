@@ -6,6 +6,9 @@ BIN       := $(CURDIR)/bin
 TEMPORAL  := $(BIN)/temporal
 TEMPORAL_CLI_VERSION := v1.5.1
 JAEGER    := $(BIN)/jaeger
+# Every package of both modules of the workspace (go.work): the library and
+# example (.), and the tooling (./cmd), whose dependencies users do not get.
+PKGS      := ./... ./cmd/...
 export PATH := $(BIN):$(PATH)
 
 .PHONY: help
@@ -21,7 +24,7 @@ temporal-cli: $(TEMPORAL) ## Build the Temporal CLI (dev server) into bin/ if mi
 
 $(JAEGER): tools/jaeger/go.mod
 	@echo "building Jaeger v2 (tools/jaeger pins the version) into bin/ (about 4 minutes, once)"
-	cd tools/jaeger && $(GO) build -o $(JAEGER) github.com/jaegertracing/jaeger/cmd/jaeger
+	cd tools/jaeger && GOWORK=off $(GO) build -o $(JAEGER) github.com/jaegertracing/jaeger/cmd/jaeger
 
 .PHONY: jaeger
 jaeger: $(JAEGER) ## Build Jaeger v2 (trace backend for demo-traces and the tests) into bin/ if missing.
@@ -36,7 +39,7 @@ demo-traces: $(TEMPORAL) $(JAEGER) ## The demo with Jaeger beside it: prints a t
 
 .PHONY: test
 test: $(TEMPORAL) $(JAEGER) ## Run all tests (race detector) against real PostgreSQL and a real Temporal dev server.
-	$(GO) test -race -count=1 -timeout 30m ./...
+	$(GO) test -race -count=1 -timeout 30m $(PKGS)
 
 .PHONY: bench
 bench: $(TEMPORAL) ## Benchmarks: dedupactivity vs bare / status-record / check-then-insert; writes docs/bench.md and docs/bench.png.
@@ -49,7 +52,7 @@ chaos: $(TEMPORAL) ## Chaos run (~2 min): worker SIGKILLs, backend kills, redeli
 .PHONY: lint
 lint: ## gofmt and go vet.
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
-	$(GO) vet ./...
+	$(GO) vet $(PKGS)
 
 .PHONY: fuzz
 fuzz: ## Short fuzz runs of identity encoding and input fingerprinting.

@@ -22,6 +22,8 @@ import (
 	"time"
 
 	"github.com/dedupactivity/dedupactivity/internal/pgtest"
+
+	"github.com/dedupactivity/dedupactivity/internal/toolbin"
 )
 
 // Find returns the path of the backend binary name ("jaeger" or
@@ -31,21 +33,8 @@ func Find(name string) (string, error) {
 	if p := os.Getenv(strings.ToUpper(name) + "_BIN"); p != "" {
 		return p, nil
 	}
-	if dir, err := os.Getwd(); err == nil {
-		for {
-			if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
-				p := filepath.Join(dir, "bin", name)
-				if _, err := os.Stat(p); err == nil {
-					return p, nil
-				}
-				break
-			}
-			parent := filepath.Dir(dir)
-			if parent == dir {
-				break
-			}
-			dir = parent
-		}
+	if p, err := toolbin.Path(name); err == nil {
+		return p, nil
 	}
 	if p, err := exec.LookPath(name); err == nil {
 		return p, nil

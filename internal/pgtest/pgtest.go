@@ -15,6 +15,7 @@
 package pgtest
 
 import (
+	"bufio"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -34,7 +35,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
-	tcpostgres "github.com/testcontainers/testcontainers-go/modules/postgres"
 )
 
 var (
@@ -334,33 +334,34 @@ func startLocal() (*Server, error) {
 	return &Server{URL: c.URL(), Source: "local binaries", stop: c.Destroy}, nil
 }
 
-func startContainer() (s *Server, err error) {
+// startContainer runs cmd/pgcontainer (testcontainers-go, in the tooling
+// module, so the library's module graph holds no Docker client) and reads
+// the URL it prints; closing its standard input stops the container.
+func startContainer() (*Server, error) {
 	if !dockerAnswers() {
 		return nil, errors.New("no Docker engine answers (DOCKER_HOST unset and /var/run/docker.sock missing)")
 	}
-	defer func() {
-		// testcontainers panics in some set-ups without an engine.
-		if r := recover(); r != nil {
-			err = fmt.Errorf("testcontainers: %v", r)
-		}
-	}()
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	defer cancel()
-	ctr, err := tcpostgres.Run(ctx, "postgres:16-alpine",
-		tcpostgres.WithUsername("postgres"),
-		tcpostgres.WithPassword("postgres"),
-		tcpostgres.WithDatabase("postgres"),
-		tcpostgres.BasicWaitStrategies(),
-	)
+	cmd := exec.Command("go", "run", "github.com/dedupactivity/dedupactivity/cmd/pgcontainer")
+	stdin, err := cmd.StdinPipe()
 	if err != nil {
 		return nil, err
 	}
-	url, err := ctr.ConnectionString(ctx, "sslmode=disable")
+	stdout, err := cmd.StdoutPipe()
 	if err != nil {
 		return nil, err
 	}
-	return &Server{URL: url, Source: "testcontainers", stop: func() error {
-		return ctr.Terminate(context.Background())
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("go run cmd/pgcontainer: %w", err)
+	}
+	url, err := bufio.NewReader(stdout).ReadString('\n')
+	if err != nil {
+		_ = stdin.Close()
+		return nil, errors.Join(fmt.Errorf("cmd/pgcontainer: %w", err), cmd.Wait())
+	}
+	return &Server{URL: strings.TrimSpace(url), Source: "testcontainers", stop: func() error {
+		_ = stdin.Close()
+		return cmd.Wait()
 	}}, nil
 }
 

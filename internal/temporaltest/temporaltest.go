@@ -9,13 +9,11 @@ package temporaltest
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"sync"
 	"testing"
 	"time"
@@ -23,6 +21,8 @@ import (
 	"go.temporal.io/sdk/client"
 	tlog "go.temporal.io/sdk/log"
 	"go.temporal.io/sdk/testsuite"
+
+	"github.com/dedupactivity/dedupactivity/internal/toolbin"
 )
 
 // Namespace is the namespace tests use.
@@ -104,24 +104,11 @@ func CLIPath() (string, error) {
 	if p, err := exec.LookPath("temporal"); err == nil {
 		return p, nil
 	}
-	dir, err := os.Getwd()
+	p, err := toolbin.Path("temporal")
 	if err != nil {
-		return "", err
+		return "", fmt.Errorf("temporal CLI not on PATH nor in bin/: run make temporal-cli (%w)", err)
 	}
-	for {
-		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
-			p := filepath.Join(dir, "bin", "temporal")
-			if _, err := os.Stat(p); err != nil {
-				return "", fmt.Errorf("temporal CLI not on PATH nor at %s: run make temporal-cli", p)
-			}
-			return p, nil
-		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			return "", errors.New("temporal CLI not on PATH and no repository root found: run make temporal-cli")
-		}
-		dir = parent
-	}
+	return p, nil
 }
 
 var (
