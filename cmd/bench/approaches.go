@@ -20,6 +20,7 @@ type bench struct {
 	pool       *pgxpool.Pool
 	writes     *atomic.Int64
 	d          *dedupactivity.Deduper
+	discarding *dedupactivity.Deduper // the same table, results not stored
 	cpu        cpuMeter
 	ledgerRows int // ledger rows the effect inserts per event
 }
@@ -64,6 +65,9 @@ CREATE TABLE floor_key (id_hash bytea PRIMARY KEY);`)
 	if err := b.d.Migrate(ctx); err != nil {
 		return err
 	}
+	if b.discarding, err = dedupactivity.New(b.pool, dedupactivity.Options{ClaimWait: 30 * time.Second, DiscardResults: true}); err != nil {
+		return err
+	}
 	// The marker table without its expiry index, for the reference row that
 	// measures what the index costs.
 	_, err = b.pool.Exec(ctx, `CREATE TABLE dedup_noidx (LIKE dedup_marker INCLUDING ALL) WITH (fillfactor = 80);
@@ -102,6 +106,10 @@ func (b *bench) approaches() []approach {
 		{name: nameDedupKey, deliver: do(func(key string) dedupactivity.Identity {
 			return dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, Namespace: "bench", ActivityType: "Post", Key: key}
 		})},
+		{name: nameDedupNoRes, reference: true, deliver: func(ctx context.Context, key string, in posting) (bool, error) {
+			_, outcome, err := dedupactivity.Do(ctx, b.discarding, runScoped(key), in, b.effect)
+			return outcome == dedupactivity.OutcomeDuplicate, err
+		}},
 		{name: nameSeed, deliver: b.seedRecipe},
 		{name: nameStatus, deliver: func(ctx context.Context, key string, in posting) (bool, error) {
 			tag, err := b.pool.Exec(ctx, `INSERT INTO idem_status (key, status) VALUES ($1, 'in_progress') ON CONFLICT (key) DO NOTHING`, key)

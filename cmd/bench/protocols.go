@@ -17,6 +17,7 @@ const (
 	nameBare        = "bare"
 	nameDedup       = "dedupactivity"
 	nameDedupKey    = "dedupactivity, business key"
+	nameDedupNoRes  = "dedupactivity, results discarded"
 	nameSeed        = "seed recipe (plain pgx)"
 	nameStatus      = "status-record"
 	nameCheckInsert = "check-then-insert"
