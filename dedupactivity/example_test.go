@@ -114,12 +114,9 @@ func examplePool() *pgxpool.Pool {
 	return pool
 }
 
-// The struct form: a Temporal activities struct whose method keeps its
-// signature and calls the wrapped effect. Here the same event is delivered
-// twice through the test environment; the effect applies once.
-func ExampleWrap() {
+// exampleDeduper is a migrated Deduper on examplePool.
+func exampleDeduper() (*pgxpool.Pool, *dedupactivity.Deduper) {
 	pool := examplePool()
-	defer pool.Close()
 	d, err := dedupactivity.New(pool, dedupactivity.Options{})
 	if err != nil {
 		log.Fatal(err)
@@ -127,6 +124,15 @@ func ExampleWrap() {
 	if err := d.Migrate(context.Background()); err != nil {
 		log.Fatal(err)
 	}
+	return pool, d
+}
+
+// The struct form: a Temporal activities struct whose method keeps its
+// signature and calls the wrapped effect. Here the same event is delivered
+// twice through the test environment; the effect applies once.
+func ExampleWrap() {
+	pool, d := exampleDeduper()
+	defer pool.Close()
 	ledger := NewLedger(d)
 	for range 2 { // each new environment delivers the same event again
 		var suite testsuite.WorkflowTestSuite
@@ -147,16 +153,9 @@ func ExampleWrap() {
 
 // Do deduplicates work outside Temporal, with an identity you build.
 func ExampleDo() {
-	pool := examplePool()
+	pool, d := exampleDeduper()
 	defer pool.Close()
 	ctx := context.Background()
-	d, err := dedupactivity.New(pool, dedupactivity.Options{})
-	if err != nil {
-		log.Fatal(err)
-	}
-	if err := d.Migrate(ctx); err != nil {
-		log.Fatal(err)
-	}
 	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, Namespace: "kafka", ActivityType: "Post", Key: "offset-42"}
 	for range 2 {
 		p, outcome, err := dedupactivity.Do(ctx, d, id, Transfer{Account: "a", Amount: 7}, NewLedger(d).applyPost)
@@ -172,16 +171,9 @@ func ExampleDo() {
 
 // ClaimTx claims inside a transaction the caller owns.
 func ExampleClaimTx() {
-	pool := examplePool()
+	pool, d := exampleDeduper()
 	defer pool.Close()
 	ctx := context.Background()
-	d, err := dedupactivity.New(pool, dedupactivity.Options{})
-	if err != nil {
-		log.Fatal(err)
-	}
-	if err := d.Migrate(ctx); err != nil {
-		log.Fatal(err)
-	}
 	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "order-1"}
 	for range 2 {
 		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
@@ -209,16 +201,9 @@ func ExampleClaimTx() {
 // Prune deletes expired markers in short batches; RegisterPruner and
 // EnsurePruneSchedule run it from a Temporal Schedule.
 func ExampleDeduper_Prune() {
-	pool := examplePool()
+	pool, d := exampleDeduper()
 	defer pool.Close()
 	ctx := context.Background()
-	d, err := dedupactivity.New(pool, dedupactivity.Options{})
-	if err != nil {
-		log.Fatal(err)
-	}
-	if err := d.Migrate(ctx); err != nil {
-		log.Fatal(err)
-	}
 	deleted, err := d.Prune(ctx)
 	if err != nil {
 		log.Fatal(err)
