@@ -14,6 +14,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.temporal.io/sdk/activity"
 )
 
 // applyFunc runs the user's effect through tx and returns the encoded result
@@ -147,11 +148,12 @@ func (d *Deduper) begin(ctx context.Context, m *marker) (*pgxpool.Conn, pgx.Tx, 
 		if broken && try == 1 && ctx.Err() == nil {
 			continue
 		}
-		if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+		err = interpretError(err, true)
+		if _, _, known := classify(err); !known && errors.Is(ctx.Err(), context.DeadlineExceeded) {
 			// The caller's deadline came before the claim wait ran out.
-			return nil, nil, false, fmt.Errorf("dedupactivity: claim: %w (the caller's deadline came first): %w", ErrClaimTimeout, err)
+			err = fmt.Errorf("%w (the caller's deadline came first): %w", ErrClaimTimeout, err)
 		}
-		return nil, nil, false, fmt.Errorf("dedupactivity: claim: %w", interpretError(err, true))
+		return nil, nil, false, fmt.Errorf("dedupactivity: claim: %w", err)
 	}
 }
 
@@ -168,56 +170,74 @@ func release(ctx context.Context, conn *pgxpool.Conn) {
 	conn.Release()
 }
 
-// commit stores the result in the marker and commits, in one round trip.
+// commit stores the result in the marker (when results are discarded, only
+// checks that the transaction is still the claim's) and commits, in one
+// round trip. If the effect ended the claim's transaction and began another,
+// the check fails that other transaction, so the COMMIT behind it in the
+// pipeline commits nothing.
 func (d *Deduper) commit(ctx context.Context, conn *pgx.Conn, m *marker) error {
 	b := &pgx.Batch{}
-	storeResult := !d.opts.DiscardResults
-	if storeResult {
-		d.store.queueComplete(b, m)
-	}
+	d.store.queueComplete(b, m, !d.opts.DiscardResults)
 	b.Queue("COMMIT")
 	br := conn.SendBatch(ctx, b)
-	defer br.Close()
-	if storeResult {
-		found, err := readComplete(br)
-		if err != nil {
-			return fmt.Errorf("dedupactivity: store result: %w", interpretError(err, false))
+	found, err := readComplete(br)
+	if err != nil {
+		_ = br.Close()
+		if err = interpretError(err, false); errors.Is(err, ErrTxEnded) {
+			return d.endedByEffect(ctx, conn, m)
 		}
-		if !found {
-			// The effect committed the claim's transaction and began
-			// another: the marker committed without its result.
-			_, _ = br.Exec()
-			return fmt.Errorf("%w: it committed the claim transaction with SQL and began another; the marker committed with the effect's writes made before that COMMIT, without a result, and the writes after it committed now", ErrTxEnded)
-		}
+		return fmt.Errorf("dedupactivity: store result: %w", err)
 	}
 	tag, err := br.Exec()
-	if err != nil {
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	switch {
+	case err != nil:
 		// The commit may or may not have reached the server. Either way the
 		// retry finds out: it claims the event again, or sees a duplicate.
 		return fmt.Errorf("dedupactivity: commit: %w", err)
-	}
-	if tag.String() == "ROLLBACK" {
+	case tag.String() == "ROLLBACK":
 		return fmt.Errorf("dedupactivity: commit: %w", pgx.ErrTxCommitRollback)
+	case !found:
+		// The effect itself changed or deleted the marker row.
+		return fmt.Errorf("%w: the effect changed the marker row; the effect committed without a stored result", ErrTxEnded)
 	}
-	return br.Close()
+	return nil
 }
 
 // endedByEffect reports an effect that ended the claim transaction with SQL
-// (COMMIT or ROLLBACK): nothing more is written, and the error says which of
-// the two happened, read from the marker.
+// (COMMIT or ROLLBACK, perhaps followed by BEGIN): it rolls back whatever
+// the effect began after that, and says what was committed, read from the
+// marker.
 func (d *Deduper) endedByEffect(ctx context.Context, conn *pgx.Conn, m *marker) error {
 	b := &pgx.Batch{}
+	if conn.PgConn().TxStatus() != 'I' {
+		b.Queue("ROLLBACK")
+	}
 	d.store.queueRead(b, m)
 	br := conn.SendBatch(ctx, b)
-	_, found, err := readStored(br)
-	_ = br.Close()
+	var err error
+	if b.Len() == 2 {
+		_, err = br.Exec()
+	}
+	var st stored
+	found := false
+	if err == nil {
+		st, found, err = readStored(br)
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
 	switch {
 	case err != nil:
 		return fmt.Errorf("%w; reading the marker to tell whether it committed failed: %w", ErrTxEnded, err)
+	case found && m.insertedBy(st.xmin):
+		return fmt.Errorf("%w: it ran COMMIT: the marker and the effect's writes before the COMMIT committed, without a result, and nothing after it; later deliveries apply nothing and fail with this error", ErrTxEnded)
 	case found:
-		return fmt.Errorf("%w: it ran COMMIT: the marker and the effect's writes before the COMMIT committed, without a result; later deliveries are duplicates that fail with this error", ErrTxEnded)
+		return fmt.Errorf("%w: it ran ROLLBACK: nothing of this attempt committed, and another attempt has applied the event since", ErrTxEnded)
 	default:
-		return fmt.Errorf("%w: it ran ROLLBACK: the marker and the effect's writes before it were rolled back; a retry applies the effect again", ErrTxEnded)
+		return fmt.Errorf("%w: it ran ROLLBACK: nothing of this attempt committed; a retry applies the effect", ErrTxEnded)
 	}
 }
 
@@ -266,6 +286,19 @@ func (d *Deduper) judge(m *marker, st stored, found bool, err error, a attempt) 
 	}
 	a.result = st.result
 	return a, nil
+}
+
+// expiry is when a marker claimed now may be pruned: retention from now, and
+// never before the activity's own redelivery bound (ScheduledTime +
+// ScheduleToClose) when it has one.
+func expiry(info activity.Info, retention time.Duration) time.Time {
+	at := time.Now().Add(retention)
+	if info.ScheduleToCloseTimeout > 0 && !info.ScheduledTime.IsZero() {
+		if bound := info.ScheduledTime.Add(info.ScheduleToCloseTimeout); bound.After(at) {
+			at = bound
+		}
+	}
+	return at
 }
 
 // claimWait is the lock_timeout for the claim: the configured wait, cut short

@@ -70,7 +70,7 @@ func ClaimTx[Out any](ctx context.Context, d *Deduper, tx pgx.Tx, id Identity, i
 	hash := sha256Sum(enc)
 	c := &Claim[Out]{d: d, tx: tx, info: info, m: &marker{
 		hash: hash[:], attempt: info.Attempt, activityType: validText(info.ActivityType.Name),
-		expiresAt: time.Now().Add(d.opts.Retention),
+		expiresAt: expiry(info, d.opts.Retention),
 	}}
 	if d.opts.DiscardResults {
 		c.m.result = []byte{}
@@ -154,17 +154,14 @@ func (c *Claim[Out]) Complete(ctx context.Context, result Out) error {
 	if c.outcome != OutcomeClaimed || c.done {
 		return ErrNotClaimed
 	}
-	c.done = true
-	if c.d.opts.DiscardResults {
-		return nil
-	}
-	b, err := c.d.encodeResult(c.info, result)
+	b, _, err := c.d.encodeResult(c.info, result)
 	if err != nil {
 		return err
 	}
+	c.done = true
 	c.m.result = b
 	batch := &pgx.Batch{}
-	c.d.store.queueComplete(batch, c.m)
+	c.d.store.queueComplete(batch, c.m, !c.d.opts.DiscardResults)
 	br := c.tx.SendBatch(ctx, batch)
 	found, err := readComplete(br)
 	if cerr := br.Close(); err == nil {
@@ -172,9 +169,9 @@ func (c *Claim[Out]) Complete(ctx context.Context, result Out) error {
 	}
 	switch {
 	case err != nil:
-		return fmt.Errorf("dedupactivity: store result: %w", interpretError(err, false))
+		return fmt.Errorf("dedupactivity: store result: %w", interpretError(err, false)) // ErrTxEnded: not the claim's transaction
 	case !found:
-		return fmt.Errorf("%w: the transaction that claimed the event is no longer the one on tx", ErrTxEnded)
+		return fmt.Errorf("%w: the marker row was changed in the transaction", ErrTxEnded)
 	}
 	return nil
 }

@@ -97,6 +97,25 @@ func TestClaimTx(t *testing.T) {
 	require.ErrorIs(t, c.Complete(ctx, Posting{}), dedupactivity.ErrTxEnded)
 	require.NoError(t, tx.Rollback(ctx))
 
+	// Inside a savepoint of the caller's (a nested pgx.Tx, as ORMs make).
+	id = dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "order-5"}
+	require.NoError(t, pgx.BeginFunc(ctx, b.pool, func(outer pgx.Tx) error {
+		return pgx.BeginFunc(ctx, outer, func(tx pgx.Tx) error {
+			c, err := dedupactivity.ClaimTx[Posting](ctx, b.d, tx, id, in)
+			if err != nil {
+				return err
+			}
+			p, err := b.post(ctx, tx, in)
+			if err != nil {
+				return err
+			}
+			return c.Complete(ctx, p)
+		})
+	}))
+	_, outcome, err = deliver(in, true)
+	require.NoError(t, err)
+	require.Equal(t, dedupactivity.OutcomeDuplicate, outcome)
+
 	_, err = dedupactivity.ClaimTx[Posting](ctx, b.d, nil, id, in)
 	require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions)
 }

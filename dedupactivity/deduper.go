@@ -39,7 +39,7 @@ func New(pool *pgxpool.Pool, opts Options) (*Deduper, error) {
 	}
 	d := &Deduper{pool: pool, opts: opts, tel: tel}
 	d.table = d.qualify(opts.Table)
-	d.store = newStore(d.table, opts.PartitionInterval > 0, d.qualify(opts.Table+"_default"))
+	d.store = newStore(d.table, d.qualify(opts.Table+"_ended"), opts.PartitionInterval > 0, d.qualify(opts.Table+"_default"))
 	if err := tel.observeOldest(d); err != nil {
 		return nil, fmt.Errorf("dedupactivity: telemetry: %w", err)
 	}

@@ -65,7 +65,8 @@ const migrateLockKey int64 = 0x6465_6475_705f_6d69 // "dedup_mi"
 // set) if it is not there yet. It is safe to run from many workers at once
 // and after a migration tool applied the files of the migrations package:
 //
-//   - When the table has every column this version uses, Migrate only
+//   - When the table has every column this version uses (and its function
+//     is there), Migrate only
 //     reads the catalog (one round trip, no lock, no CREATE privilege
 //     needed), so a least-privilege worker can call it at every start.
 //   - Otherwise it applies the migrations in one transaction under an
@@ -83,8 +84,8 @@ func (d *Deduper) Migrate(ctx context.Context) error {
 	versionTable := d.qualify(d.opts.Table + "_migration")
 
 	var columns int
-	var hasVersions bool
-	if err := d.pool.QueryRow(ctx, catalogSQL, d.table, markerColumns, versionTable).Scan(&columns, &hasVersions); err != nil {
+	var hasFunc, hasVersions bool
+	if err := d.pool.QueryRow(ctx, catalogSQL, d.table, markerColumns, versionTable, d.qualify(d.opts.Table+"_ended")+"()").Scan(&columns, &hasVersions, &hasFunc); err != nil {
 		return fmt.Errorf("dedupactivity: migrate: read catalog: %w", err)
 	}
 	var recorded *int
@@ -94,9 +95,9 @@ func (d *Deduper) Migrate(ctx context.Context) error {
 		}
 	}
 	if recorded != nil && *recorded > latest {
-		return fmt.Errorf("%w: %s records version %d, this package knows up to %d", ErrSchemaTooNew, versionTable, *recorded, latest)
+		return fmt.Errorf("%w: %s records version %d, this package knows up to %d (a newer release made it, or an unreleased build from before the migrations were folded into one: drop and re-create such a table)", ErrSchemaTooNew, versionTable, *recorded, latest)
 	}
-	if columns < len(markerColumns) {
+	if columns < len(markerColumns) || !hasFunc {
 		if err := d.applyMigrations(ctx, migs, versionTable); err != nil {
 			return err
 		}

@@ -27,23 +27,24 @@ func (d *Deduper) converter(info activity.Info) converter.DataConverter {
 }
 
 // encodeResult encodes an effect's result for the marker: a serialized
-// Temporal Payload, or empty when results are discarded.
-func (d *Deduper) encodeResult(info activity.Info, v any) ([]byte, error) {
+// Temporal Payload (also returned, unserialized), or empty when results are
+// discarded.
+func (d *Deduper) encodeResult(info activity.Info, v any) ([]byte, *commonpb.Payload, error) {
 	if d.opts.DiscardResults {
-		return []byte{}, nil
+		return []byte{}, nil, nil
 	}
 	p, err := d.converter(info).ToPayload(v)
 	if err != nil {
-		return nil, fmt.Errorf("%w: encode result: %w", ErrEncoding, err)
+		return nil, nil, fmt.Errorf("%w: encode result: %w", ErrEncoding, err)
 	}
 	b, err := proto.Marshal(p)
 	if err != nil {
-		return nil, fmt.Errorf("%w: marshal result payload: %w", ErrEncoding, err)
+		return nil, nil, fmt.Errorf("%w: marshal result payload: %w", ErrEncoding, err)
 	}
 	if len(b) > d.opts.MaxResultBytes {
-		return nil, fmt.Errorf("%w: %d bytes encoded, MaxResultBytes is %d", ErrResultTooLarge, len(b), d.opts.MaxResultBytes)
+		return nil, nil, fmt.Errorf("%w: %d bytes encoded, MaxResultBytes is %d", ErrResultTooLarge, len(b), d.opts.MaxResultBytes)
 	}
-	return b, nil
+	return b, p, nil
 }
 
 // decodeResult decodes a stored result into out (a pointer).
@@ -52,7 +53,11 @@ func (d *Deduper) decodeResult(info activity.Info, b []byte, out any) error {
 	if err := proto.Unmarshal(b, &p); err != nil {
 		return fmt.Errorf("%w: unmarshal stored result: %w", ErrEncoding, err)
 	}
-	if err := d.converter(info).FromPayload(&p, out); err != nil {
+	return d.fromPayload(info, &p, out)
+}
+
+func (d *Deduper) fromPayload(info activity.Info, p *commonpb.Payload, out any) error {
+	if err := d.converter(info).FromPayload(p, out); err != nil {
 		return fmt.Errorf("%w: decode stored result: %w", ErrEncoding, err)
 	}
 	return nil

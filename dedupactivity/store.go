@@ -9,6 +9,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"time"
 
@@ -27,6 +28,7 @@ const (
 	stateCheckViolation   = "23514"
 	stateUniqueViolation  = "23505"
 	stateDuplicateSchema  = "42P06"
+	stateTxEnded          = "DDUP2" // raised by the <table>_ended function
 )
 
 // store holds the marker table's statements, with the table name filled in
@@ -35,9 +37,6 @@ type store struct {
 	table       string // quoted and schema-qualified
 	partitioned bool
 
-	// saveLockTimeout remembers the transaction's lock_timeout in a custom
-	// setting and sets the claim's bound; restoreLockTimeout puts it back,
-	// so the effect runs under the session's own lock_timeout.
 	// insert claims the event in one statement: it sets the claim's
 	// lock_timeout (saving the transaction's own in a custom setting) in
 	// its FROM clause, so before the insert can wait; inserts the marker
@@ -45,15 +44,21 @@ type store struct {
 	// that inserted the same key (if that one commits, this one inserts
 	// nothing: a duplicate; if it rolls back, this one inserts); and in
 	// RETURNING, evaluated only for an inserted row, puts the saved
-	// lock_timeout back and returns the new row's ctid. When nothing is
-	// inserted the claim's lock_timeout stays until the transaction ends:
-	// restoreLockTimeout puts it back for a caller that goes on.
+	// lock_timeout back and returns the new row's ctid and the top-level
+	// transaction's ID. When nothing is inserted the claim's lock_timeout
+	// stays until the transaction ends: restoreLockTimeout puts it back for
+	// a caller that goes on.
 	insert             string
 	restoreLockTimeout string
-	// complete stores the result in the marker this transaction inserted,
-	// found by its ctid. The xmin condition makes it match nothing when the
-	// effect ended the claim's transaction and began another.
+	// complete stores the result in the marker, found by its ctid, after
+	// guard has checked that the transaction is still the claim's.
 	complete string
+	// guard fails (SQLSTATE DDUP2, from the <table>_ended function) when the
+	// top-level transaction is no longer the claim's: the effect ended it
+	// and began another. Queued before COMMIT, it keeps that COMMIT from
+	// committing anything. In complete it is an uncorrelated subquery, so a
+	// one-time filter that runs whether or not the marker row is found.
+	guard string
 	// read returns a committed marker.
 	read string
 	// exists says whether a marker is committed.
@@ -61,16 +66,20 @@ type store struct {
 	// oldest is the age in seconds of the marker that expires first, read
 	// through the expiry index.
 	oldest string
-	// prune deletes up to $1 expired markers, skipping rows locked by a
-	// concurrent pruner.
+	// prune deletes up to $1 expired markers, found by their ctid (in the
+	// partitioned layout id_hash alone is not unique), skipping rows locked
+	// by a concurrent pruner.
 	prune string
 }
 
-func newStore(table string, partitioned bool, defaultPartition string) *store {
+func newStore(table, ended string, partitioned bool, defaultPartition string) *store {
 	keyCol, keyVal, completeCond, readCond, pruned := ``, ``, ``, ``, table
 	if partitioned {
 		keyCol, keyVal, pruned = `, scheduled_at`, `, $8::timestamptz`, defaultPartition
-		completeCond, readCond = ` AND scheduled_at = $3`, ` AND scheduled_at = $2`
+		completeCond, readCond = ` AND scheduled_at = $4`, ` AND scheduled_at = $2`
+	}
+	guard := func(param string) string {
+		return `SELECT CASE WHEN pg_current_xact_id() = ` + param + `::text::xid8 THEN true ELSE ` + ended + `() END`
 	}
 	return &store{
 		table:       table,
@@ -80,28 +89,31 @@ SELECT $1::bytea, $2::int4, $3::timestamptz, $4::text, $5::bytea, $6::bytea` + k
 FROM (SELECT set_config('dedupactivity.lock_timeout', current_setting('lock_timeout'), true),
 	set_config('lock_timeout', $7, true)) AS claim_wait
 ON CONFLICT DO NOTHING
-RETURNING ctid, set_config('lock_timeout', current_setting('dedupactivity.lock_timeout'), true)`,
+RETURNING ctid, pg_current_xact_id()::text, set_config('lock_timeout', current_setting('dedupactivity.lock_timeout'), true)`,
 		restoreLockTimeout: `SELECT set_config('lock_timeout', current_setting('dedupactivity.lock_timeout'), true)`,
-		complete:           `UPDATE ` + table + ` SET result = $2 WHERE ctid = $1` + completeCond + ` AND xmin = pg_current_xact_id()::xid`,
+		complete:           `UPDATE ` + table + ` SET result = $2 WHERE ctid = $1` + completeCond + ` AND (` + guard("$3") + `)`,
+		guard:              guard("$1"),
 		// bytea read as hex text: pgx decodes bytea text only in the hex
 		// output format, and the simple protocol reads text whatever
 		// bytea_output says.
-		read:   `SELECT encode(fingerprint, 'hex'), encode(result, 'hex'), attempt FROM ` + table + ` WHERE id_hash = $1` + readCond,
+		read:   `SELECT encode(fingerprint, 'hex'), encode(result, 'hex'), attempt, xmin::text FROM ` + table + ` WHERE id_hash = $1` + readCond,
 		exists: `SELECT EXISTS (SELECT 1 FROM ` + table + ` WHERE id_hash = $1)`,
 		oldest: `SELECT extract(epoch FROM now() - claimed_at)::float8 FROM ` + table + ` ORDER BY expires_at LIMIT 1`,
-		prune: `DELETE FROM ` + pruned + ` WHERE id_hash = ANY (ARRAY(
-	SELECT id_hash FROM ` + pruned + ` WHERE expires_at < now()
+		prune: `DELETE FROM ` + pruned + ` WHERE ctid = ANY (ARRAY(
+	SELECT ctid FROM ` + pruned + ` WHERE expires_at < now()
 	LIMIT $1 FOR UPDATE SKIP LOCKED))`,
 	}
 }
 
 // Migrations (migrate.go).
 const (
-	// catalogSQL counts which of the columns $2 the table $1 has, and says
-	// whether the version table $3 exists and can be read.
+	// catalogSQL counts which of the columns $2 the table $1 has, says
+	// whether the version table $3 exists and can be read, and whether the
+	// function $4 exists.
 	catalogSQL = `SELECT
 	(SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = ANY($2) AND NOT attisdropped),
-	(SELECT coalesce(has_table_privilege(to_regclass($3), 'SELECT'), false))`
+	(SELECT coalesce(has_table_privilege(to_regclass($3), 'SELECT'), false)),
+	(SELECT to_regprocedure($4) IS NOT NULL)`
 	advisoryXactLockSQL   = `SELECT pg_advisory_xact_lock($1)`
 	setLocalSearchPathSQL = `SELECT set_config('search_path', $1, true)`
 )
@@ -161,6 +173,7 @@ type marker struct {
 	result       []byte // nil, or empty when results are discarded
 	scheduledAt  time.Time
 	ctid         pgtype.TID // of the inserted row, once claimed
+	xact         string     // the claim's top-level transaction ID, once claimed
 }
 
 // queueClaim queues the claim on b; readClaim reads it.
@@ -172,20 +185,34 @@ func (s *store) queueClaim(b *pgx.Batch, m *marker, wait time.Duration) {
 	b.Queue(s.insert, args...)
 }
 
+// insertedBy says whether xmin (a marker's, as text) is the transaction that
+// claimed m: the 32 low bits of the claim's xid8.
+func (m *marker) insertedBy(xmin string) bool {
+	x, err1 := strconv.ParseUint(m.xact, 10, 64)
+	y, err2 := strconv.ParseUint(xmin, 10, 32)
+	return err1 == nil && err2 == nil && uint32(x) == uint32(y)
+}
+
 // readClaim reads what queueClaim queued. claimed is false when the marker
-// was already committed (a duplicate); when true, m.ctid is the new row's.
+// was already committed (a duplicate); when true, m.ctid and m.xact are the
+// new row's and its transaction's.
 func (s *store) readClaim(br pgx.BatchResults, m *marker) (claimed bool, err error) {
-	err = br.QueryRow().Scan(&m.ctid, nil)
+	err = br.QueryRow().Scan(&m.ctid, &m.xact, nil)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return false, nil
 	}
 	return err == nil, err
 }
 
-// queueComplete queues the result update; readComplete reports whether it
-// found the marker this transaction inserted.
-func (s *store) queueComplete(b *pgx.Batch, m *marker) {
-	args := []any{m.ctid, m.result}
+// queueComplete queues the result update (or, when results are discarded,
+// only the guard); readComplete reports whether the update found the
+// marker.
+func (s *store) queueComplete(b *pgx.Batch, m *marker, storeResult bool) {
+	if !storeResult {
+		b.Queue(s.guard, m.xact)
+		return
+	}
+	args := []any{m.ctid, m.result, m.xact}
 	if s.partitioned {
 		args = append(args, m.scheduledAt)
 	}
@@ -202,6 +229,7 @@ type stored struct {
 	fingerprint []byte
 	result      []byte
 	attempt     int32
+	xmin        string // the transaction that inserted it
 }
 
 // queueRead queues the read of m's committed marker; readStored reads it.
@@ -215,7 +243,7 @@ func (s *store) queueRead(b *pgx.Batch, m *marker) {
 
 func readStored(br pgx.BatchResults) (st stored, found bool, err error) {
 	var fingerprint, result *string
-	err = br.QueryRow().Scan(&fingerprint, &result, &st.attempt)
+	err = br.QueryRow().Scan(&fingerprint, &result, &st.attempt, &st.xmin)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return st, false, nil
 	}
@@ -261,6 +289,8 @@ func interpretError(err error, inClaim bool) error {
 		return fmt.Errorf("%w (statement_timeout is shorter than the claim wait): %w", ErrClaimTimeout, err)
 	case state == stateReadOnlySQLTx:
 		return fmt.Errorf("%w: %w", ErrReadOnly, err)
+	case state == stateTxEnded:
+		return fmt.Errorf("%w: %w", ErrTxEnded, err)
 	}
 	return err
 }

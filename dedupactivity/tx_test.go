@@ -2,6 +2,7 @@ package dedupactivity_test
 
 import (
 	"context"
+	"fmt"
 	"sync"
 	"testing"
 	"time"
@@ -43,9 +44,11 @@ func TestEffectCannotCommitOrRollBack(t *testing.T) {
 }
 
 // TestEffectEndingTheTransactionWithSQL: an effect that ends the claim
-// transaction with raw SQL fails the attempt with ErrTxEnded, the marker is
-// never written outside the attempt's own transaction, and no later
-// delivery applies the effect a second time.
+// transaction with raw SQL (and may begin another and write in it) fails the
+// attempt with ErrTxEnded; the marker is never written outside the attempt's
+// own transaction, nothing the effect wrote after ending it commits, and no
+// later delivery applies the effect a second time. With results stored or
+// discarded.
 func TestEffectEndingTheTransactionWithSQL(t *testing.T) {
 	t.Parallel()
 	type want struct {
@@ -59,47 +62,56 @@ func TestEffectEndingTheTransactionWithSQL(t *testing.T) {
 		// Everything rolled back, the marker too: the event is not lost,
 		// a retry applies it once.
 		"Rollback": {[]string{"ROLLBACK"}, want{ledger: 0, markers: 0, retryApplies: true}},
+		// A new transaction after the ROLLBACK, with a write: the claim's
+		// check fails it, so that write does not commit either.
+		"RollbackBeginWrite": {[]string{"ROLLBACK", "BEGIN", `INSERT INTO ledger (account, amount) VALUES ('b', 99)`}, want{ledger: 0, markers: 0, retryApplies: true}},
 		// The marker committed with the effect's writes: the event is
 		// marked, later deliveries apply nothing.
 		"Commit": {[]string{"COMMIT"}, want{ledger: 1, markers: 1}},
-		// COMMIT, then a new transaction: the claim sees it is not its own.
-		"CommitAndBegin": {[]string{"COMMIT", "BEGIN"}, want{ledger: 1, markers: 1}},
+		// COMMIT, then a new transaction with a write that does not commit.
+		"CommitBeginWrite": {[]string{"COMMIT", "BEGIN", `INSERT INTO ledger (account, amount) VALUES ('b', 99)`}, want{ledger: 1, markers: 1}},
 	}
 	for name, c := range cases {
-		t.Run(name, func(t *testing.T) {
-			t.Parallel()
-			b := setup(t, dedupactivity.Options{})
-			misuse := true
-			fn := dedupactivity.Wrap(b.d, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
-				p, err := b.post(ctx, tx, in)
-				if err != nil || !misuse {
-					return p, err
-				}
-				for _, sql := range c.sql {
-					if _, err := tx.Exec(ctx, sql); err != nil {
+		for _, discard := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/DiscardResults=%v", name, discard), func(t *testing.T) {
+				t.Parallel()
+				b := setup(t, dedupactivity.Options{DiscardResults: discard})
+				misuse := true
+				fn := dedupactivity.Wrap(b.d, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+					p, err := b.post(ctx, tx, in)
+					if err != nil || !misuse {
 						return p, err
 					}
-				}
-				return p, nil
-			})
-			in := Transfer{Account: "a", Amount: 1}
-			_, err := deliver(t, "Post", fn, in)
-			require.ErrorIs(t, err, dedupactivity.ErrTxEnded)
-			require.True(t, appErr(t, err).NonRetryable())
-			require.Equal(t, c.want.ledger, b.ledgerRows(t))
-			require.Equal(t, c.want.markers, b.markers(t))
+					for _, sql := range c.sql {
+						if _, err := tx.Exec(ctx, sql); err != nil {
+							return p, err
+						}
+					}
+					return p, nil
+				})
+				in := Transfer{Account: "a", Amount: 1}
+				_, err := deliver(t, "Post", fn, in)
+				require.ErrorIs(t, err, dedupactivity.ErrTxEnded)
+				require.True(t, appErr(t, err).NonRetryable())
+				require.Equal(t, c.want.ledger, b.ledgerRows(t))
+				require.Equal(t, c.want.markers, b.markers(t))
 
-			misuse = false
-			_, err = deliver(t, "Post", fn, in)
-			if c.want.retryApplies {
-				require.NoError(t, err)
-				require.Equal(t, int64(1), b.ledgerRows(t), "the retry applied the effect once")
-			} else {
-				require.ErrorIs(t, err, dedupactivity.ErrTxEnded, "the event is marked, its result unknown")
-				require.Equal(t, int64(1), b.ledgerRows(t), "no second application")
-			}
-			require.Equal(t, int64(1), b.markers(t))
-		})
+				misuse = false
+				_, err = deliver(t, "Post", fn, in)
+				switch {
+				case c.want.retryApplies:
+					require.NoError(t, err)
+					require.Equal(t, int64(1), b.ledgerRows(t), "the retry applied the effect once")
+				case discard:
+					require.NoError(t, err, "marked; results are not stored anyway")
+					require.Equal(t, int64(1), b.ledgerRows(t), "no second application")
+				default:
+					require.ErrorIs(t, err, dedupactivity.ErrTxEnded, "the event is marked, its result unknown")
+					require.Equal(t, int64(1), b.ledgerRows(t), "no second application")
+				}
+				require.Equal(t, int64(1), b.markers(t))
+			})
+		}
 	}
 }
 

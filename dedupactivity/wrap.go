@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	commonpb "go.temporal.io/api/common/v1"
 	"go.temporal.io/sdk/activity"
 	"go.temporal.io/sdk/temporal"
 	"go.temporal.io/sdk/worker"
@@ -162,14 +163,7 @@ func Do[In, Out any](ctx context.Context, d *Deduper, id Identity, in In, fn Eff
 	if info.ActivityType.Name == "" {
 		info.ActivityType.Name = id.ActivityType
 	}
-	out, a, err := w.apply(ctx, info, id, in)
-	if err == nil && a.outcome == OutcomeClaimed && len(a.result) > 0 {
-		// Return what a duplicate would: the decoded result.
-		out = zero
-		if err := w.decode(info, a.result, &out); err != nil {
-			return zero, OutcomeError, err
-		}
-	}
+	out, a, err := w.apply(ctx, info, id, in, true)
 	return out, a.outcome, err
 }
 
@@ -188,7 +182,7 @@ func (w *wrapper[In, Out]) run(ctx context.Context, in In) (Out, error) {
 		}
 		id = Identity{Kind: KindBusinessKey, Namespace: info.Namespace, ActivityType: info.ActivityType.Name, Key: key}
 	}
-	out, a, err := w.apply(ctx, info, id, in)
+	out, a, err := w.apply(ctx, info, id, in, false)
 	if a.outcome == OutcomeEffectError {
 		return out, err // the effect's own error reaches Temporal unchanged
 	}
@@ -197,8 +191,10 @@ func (w *wrapper[In, Out]) run(ctx context.Context, in In) (Out, error) {
 
 // apply runs one attempt of the event id: it validates the identity,
 // fingerprints a business-keyed input, traces the attempt, and claims and
-// applies.
-func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Identity, in In) (out Out, a attempt, err error) {
+// applies. A first delivery returns the effect's value as it is, or, with
+// decodeClaimed, as the data converter decodes it (what a duplicate
+// returns; the SDK does the same round trip for an activity's result).
+func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Identity, in In, decodeClaimed bool) (out Out, a attempt, err error) {
 	a.outcome = OutcomeError
 	enc := id.Encode()
 	if err := id.validate(enc); err != nil {
@@ -212,12 +208,7 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 		}
 		m.scheduledAt = info.ScheduledTime
 	}
-	m.expiresAt = time.Now().Add(w.cfg.retention)
-	if info.ScheduleToCloseTimeout > 0 && !info.ScheduledTime.IsZero() {
-		if bound := info.ScheduledTime.Add(info.ScheduleToCloseTimeout); bound.After(m.expiresAt) {
-			m.expiresAt = bound
-		}
-	}
+	m.expiresAt = expiry(info, w.cfg.retention)
 	if w.d.opts.DiscardResults {
 		m.result = []byte{} // empty, not NULL: a result that is not kept
 	}
@@ -245,13 +236,16 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 	}
 
 	var claimedOut Out
+	var claimedPayload *commonpb.Payload
 	a, err = w.d.claim(ctx, m, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
 		o, err := w.fn(ctx, tx, in)
 		if err != nil {
 			return nil, effectError{err}
 		}
 		claimedOut = o
-		return w.encode(info, o)
+		b, p, err := w.d.encodeResult(info, o)
+		claimedPayload = p
+		return b, err
 	})
 	if err != nil {
 		if ee := (effectError{}); errors.As(err, &ee) {
@@ -260,24 +254,20 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 		return out, a, err
 	}
 	if a.outcome == OutcomeClaimed {
+		if decodeClaimed && claimedPayload != nil {
+			err = w.d.fromPayload(info, claimedPayload, &out)
+			return out, a, err
+		}
 		return claimedOut, a, nil
 	}
 	if len(a.result) == 0 {
 		return out, a, nil // results are not stored: the zero value
 	}
-	if err := w.decode(info, a.result, &out); err != nil {
+	if err := w.d.decodeResult(info, a.result, &out); err != nil {
 		a.outcome = OutcomeError
 		return out, a, err
 	}
 	return out, a, nil
-}
-
-func (w *wrapper[In, Out]) encode(info activity.Info, o Out) ([]byte, error) {
-	return w.d.encodeResult(info, o)
-}
-
-func (w *wrapper[In, Out]) decode(info activity.Info, b []byte, out *Out) error {
-	return w.d.decodeResult(info, b, out)
 }
 
 // toTemporal converts this package's errors to Temporal errors at the

@@ -31,3 +31,15 @@ CREATE TABLE IF NOT EXISTS "dedup_marker" (
 ) WITH (fillfactor = 80); -- room on the page for the result update to be HOT
 
 CREATE INDEX IF NOT EXISTS "dedup_marker_expires_at_idx" ON "dedup_marker" ("expires_at");
+
+-- Called by the claim only when an effect ended the claim's transaction
+-- with SQL (COMMIT or ROLLBACK) and began another: it fails that
+-- transaction, so the claim's pipelined COMMIT commits nothing of it (see
+-- dedupactivity/store.go).
+CREATE OR REPLACE FUNCTION "dedup_marker_ended"() RETURNS boolean
+LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION USING ERRCODE = 'DDUP2',
+        MESSAGE = 'dedupactivity: the effect ended the claim''s transaction and began another';
+END
+$$;

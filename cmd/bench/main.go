@@ -71,7 +71,7 @@ func run() error {
 	flag.IntVar(&cfg.activities, "activities", 400, "activities per Temporal measurement")
 	flag.IntVar(&cfg.tRounds, "temporal-rounds", 12, "ABBA rounds of the Temporal measurement")
 	flag.IntVar(&cfg.prune, "prune", 1_000_000, "expired markers to prune while measuring claims (0: skip)")
-	flag.StringVar(&cfg.only, "only", "", "comma-separated approach names to run (default: all)")
+	flag.StringVar(&cfg.only, "only", "", "semicolon-separated approach names to run (default: all)")
 	flag.IntVar(&cfg.ledgerRows, "effect-rows", 1, "ledger rows the effect inserts per event, one statement each (the issue's effect: 1)")
 	flag.Parse()
 	if cfg.ledgerRows < 1 {
@@ -113,7 +113,7 @@ func run() error {
 	}
 	approaches := b.approaches()
 	if cfg.only != "" {
-		keep := strings.Split(cfg.only, ",")
+		keep := strings.Split(cfg.only, ";")
 		approaches = slices.DeleteFunc(approaches, func(a approach) bool { return !slices.Contains(keep, a.name) })
 	}
 

@@ -23,3 +23,15 @@ CREATE TABLE IF NOT EXISTS "dedup_marker" (
 -- row by row.
 CREATE TABLE IF NOT EXISTS "dedup_marker_default" PARTITION OF "dedup_marker" DEFAULT WITH (fillfactor = 80);
 CREATE INDEX IF NOT EXISTS "dedup_marker_default_expires_at_idx" ON "dedup_marker_default" ("expires_at");
+
+-- Called by the claim only when an effect ended the claim's transaction
+-- with SQL (COMMIT or ROLLBACK) and began another: it fails that
+-- transaction, so the claim's pipelined COMMIT commits nothing of it (see
+-- dedupactivity/store.go).
+CREATE OR REPLACE FUNCTION "dedup_marker_ended"() RETURNS boolean
+LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION USING ERRCODE = 'DDUP2',
+        MESSAGE = 'dedupactivity: the effect ended the claim''s transaction and began another';
+END
+$$;
