@@ -11,6 +11,22 @@ JAEGER    := $(BIN)/jaeger
 PKGS      := ./... ./cmd/...
 export PATH := $(BIN):$(PATH)
 
+# Lint tools, built from the Go module proxy into bin/ (git-ignored) at pinned versions; a
+# stamp file per version rebuilds a tool when its version here changes.
+STATICCHECK_VERSION := v0.8.2
+GOVULNCHECK_VERSION := v1.9.0
+# govulncheck's database is built here, not fetched: the golang.org/x/vulndb module at this
+# pseudo-version is the Go vulnerability database's snapshot of 2026-11-05 (its data/osv OSV
+# entries), and its own cmd/indexdb, same version, writes them into the layout that
+# govulncheck -db file:// reads (index/db.json, index/modules.json, ID/<id>.json) in bin/vulndb.
+# Raise the version to take newer entries.
+VULNDB_VERSION := v0.0.0-20261105234957-e22db6528018
+STATICCHECK := $(BIN)/.staticcheck-$(STATICCHECK_VERSION)
+GOVULNCHECK := $(BIN)/.govulncheck-$(GOVULNCHECK_VERSION)
+INDEXDB     := $(BIN)/.indexdb-$(VULNDB_VERSION)
+VULNDB      := $(BIN)/vulndb
+VULNDB_STAMP := $(VULNDB)/.snapshot-$(VULNDB_VERSION)
+
 .PHONY: help
 help: ## Show this help.
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-13s\033[0m %s\n", $$1, $$2}'
@@ -49,10 +65,55 @@ bench: $(TEMPORAL) ## Benchmarks: dedupactivity vs bare / status-record / check-
 chaos: $(TEMPORAL) ## Chaos run (~2 min): worker SIGKILLs, backend kills, redeliveries, a PostgreSQL restart; at the outbox: dropped responses, relays killed before ack, two relays per message, destination outages. CHAOS_FLAGS for longer soaks.
 	$(GO) run ./cmd/chaos $(CHAOS_FLAGS)
 
+$(STATICCHECK):
+	@echo "building staticcheck $(STATICCHECK_VERSION) into bin/ (under a minute, once)"
+	GOBIN=$(BIN) $(GO) install honnef.co/go/tools/cmd/staticcheck@$(STATICCHECK_VERSION)
+	@touch $@
+
+$(GOVULNCHECK):
+	@echo "building govulncheck $(GOVULNCHECK_VERSION) into bin/ (seconds, once)"
+	GOBIN=$(BIN) $(GO) install golang.org/x/vuln/cmd/govulncheck@$(GOVULNCHECK_VERSION)
+	@touch $@
+
+$(INDEXDB):
+	@echo "building the vulndb module's indexdb $(VULNDB_VERSION) into bin/ (under a minute, once)"
+	GOBIN=$(BIN) $(GO) install golang.org/x/vulndb/cmd/indexdb@$(VULNDB_VERSION)
+	@touch $@
+
+$(VULNDB_STAMP): $(INDEXDB)
+	@echo "writing the vulnerability database of golang.org/x/vulndb@$(VULNDB_VERSION) into bin/vulndb"
+	rm -rf $(VULNDB)
+	dir=$$($(GO) mod download -json golang.org/x/vulndb@$(VULNDB_VERSION) | sed -n 's/^\t"Dir": "\(.*\)",$$/\1/p'); \
+		test -d "$$dir/data/osv" && $(BIN)/indexdb -vulns "$$dir/data/osv" -out $(VULNDB)
+	@touch $@
+
+.PHONY: lint-tools
+lint-tools: $(STATICCHECK) $(GOVULNCHECK) $(VULNDB_STAMP) ## Build staticcheck, govulncheck and the vulnerability database into bin/ if missing.
+
+.PHONY: vulncheck
+vulncheck: $(GOVULNCHECK) $(VULNDB_STAMP) ## govulncheck on the pinned database: fails on a reachable vulnerability in a required module.
+	@echo "govulncheck -db file://$(VULNDB) $(PKGS)  (full report: bin/govulncheck.txt)"
+	@govulncheck -db file://$(VULNDB) $(PKGS) >$(BIN)/govulncheck.txt 2>&1; rc=$$?; \
+	if [ $$rc -ne 0 ] && [ $$rc -ne 3 ]; then cat $(BIN)/govulncheck.txt; exit $$rc; fi; \
+	awk -v gover="$$($(GO) env GOVERSION)" ' \
+		/^=== Package Results/ { exit } \
+		/^Vulnerability #/ { id = $$3 } \
+		/^  Module: /          { std = 0 } \
+		/^  Standard library/  { std = 1 } \
+		/^    Found in: /      { found = $$3 } \
+		/^    Fixed in: /      { printf "  %s  %-50s fixed in %s\n", id, found, $$3; if (std) nstd++; else nmod++ } \
+		END { \
+			if (nstd) printf "%d reachable in the standard library of %s: fixed by a newer Go, reported, not failed\n", nstd, gover; \
+			if (nmod) { printf "%d reachable in required modules: upgrade them (go get MODULE@FIXED)\n", nmod; exit 1 } \
+			print "no reachable vulnerability in a required module" \
+		}' $(BIN)/govulncheck.txt
+
 .PHONY: lint
-lint: ## gofmt and go vet.
+lint: $(STATICCHECK) ## gofmt, go vet, staticcheck and govulncheck (tools built into bin/ at pinned versions).
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet $(PKGS)
+	staticcheck $(PKGS)
+	@$(MAKE) --no-print-directory vulncheck
 
 .PHONY: fuzz
 fuzz: ## Short fuzz runs of identity encoding and input fingerprinting.
