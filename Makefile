@@ -27,6 +27,11 @@ INDEXDB     := $(BIN)/.indexdb-$(VULNDB_VERSION)
 VULNDB      := $(BIN)/vulndb
 VULNDB_STAMP := $(VULNDB)/.snapshot-$(VULNDB_VERSION)
 
+# Debian packages that the tests, the demo, the benchmark and the chaos run start: the
+# PostgreSQL server binaries (initdb, pg_ctl: throwaway clusters), Prometheus (the scrape test)
+# and PgBouncer (the transaction-pooling tests).
+DEPS_PACKAGES := postgresql prometheus pgbouncer
+
 .PHONY: help
 help: ## Show this help.
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-13s\033[0m %s\n", $$1, $$2}'
@@ -45,24 +50,49 @@ $(JAEGER): tools/jaeger/go.mod
 .PHONY: jaeger
 jaeger: $(JAEGER) ## Build Jaeger v2 (trace backend for demo-traces and the tests) into bin/ if missing.
 
+# Each check looks where the code does (internal/pgtest, internal/obstest): the variable if set
+# (PG_BINDIR, PROMETHEUS_BIN, PGBOUNCER), else PATH, else Debian's install path.
+.PHONY: deps
+deps: ## Install the Debian packages the tests and demo run (postgresql prometheus pgbouncer) if missing, or say the command.
+	@has_postgresql() { if [ -n "$${PG_BINDIR:-}" ]; then [ -x "$$PG_BINDIR/initdb" ]; else command -v initdb || compgen -G '/usr/lib/postgresql/*/bin/initdb'; fi; } >/dev/null; \
+	has_prometheus() { if [ -n "$${PROMETHEUS_BIN:-}" ]; then [ -x "$$PROMETHEUS_BIN" ]; else command -v prometheus; fi; } >/dev/null; \
+	has_pgbouncer()  { if [ -n "$${PGBOUNCER:-}" ]; then [ -x "$$PGBOUNCER" ]; else command -v pgbouncer || [ -x /usr/sbin/pgbouncer ]; fi; } >/dev/null; \
+	missing() { for p in $(DEPS_PACKAGES); do has_$$p || echo -n "$$p "; done; }; \
+	m=$$(missing); \
+	if [ -n "$$m" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing the Debian packages: $$m"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get update -qq && apt-get install -y -qq $$m >/dev/null || exit 1; \
+		m=$$(missing); \
+	fi; \
+	if [ -n "$$m" ]; then \
+		echo "missing: $$m(PG_BINDIR, PROMETHEUS_BIN, PGBOUNCER, PATH, /usr/lib/postgresql/*/bin, /usr/sbin). Run:"; \
+		echo "  sudo apt-get install -y $(DEPS_PACKAGES)"; \
+		exit 1; \
+	fi; \
+	if [ "$$(id -u)" = 0 ] && ! id postgres >/dev/null 2>&1; then \
+		echo "creating the postgres OS user (initdb refuses to run as root)"; \
+		useradd --system --home /var/lib/postgresql --shell /bin/bash postgres; \
+	fi
+
 .PHONY: demo
-demo: $(TEMPORAL) ## Run the main job: transfers with injected redeliveries on embedded PostgreSQL + Temporal.
+demo: deps $(TEMPORAL) ## Run the main job: transfers with injected redeliveries on embedded PostgreSQL + Temporal.
 	$(GO) run ./cmd/demo $(DEMO_FLAGS)
 
 .PHONY: demo-traces
-demo-traces: $(TEMPORAL) $(JAEGER) ## The demo with Jaeger beside it: prints a trace link and what Jaeger holds, then serves it until Ctrl-C.
+demo-traces: deps $(TEMPORAL) $(JAEGER) ## The demo with Jaeger beside it: prints a trace link and what Jaeger holds, then serves it until Ctrl-C.
 	$(GO) run ./cmd/demo -traces -hold $(DEMO_FLAGS)
 
 .PHONY: test
-test: $(TEMPORAL) $(JAEGER) ## Run all tests (race detector) against real PostgreSQL and a real Temporal dev server.
+test: deps $(TEMPORAL) $(JAEGER) ## Run all tests (race detector) against real PostgreSQL and a real Temporal dev server.
 	$(GO) test -race -count=1 -timeout 30m $(PKGS)
 
 .PHONY: bench
-bench: $(TEMPORAL) ## Benchmarks: dedupactivity vs bare / status-record / check-then-insert; writes docs/bench.md and docs/bench.png.
+bench: deps $(TEMPORAL) ## Benchmarks: dedupactivity vs bare / status-record / check-then-insert; writes docs/bench.md and docs/bench.png.
 	$(GO) run ./cmd/bench $(BENCH_FLAGS)
 
 .PHONY: chaos
-chaos: $(TEMPORAL) ## Chaos run (~2 min): worker SIGKILLs, backend kills, redeliveries, a PostgreSQL restart; at the outbox: dropped responses, relays killed before ack, two relays per message, destination outages. CHAOS_FLAGS for longer soaks.
+chaos: deps $(TEMPORAL) ## Chaos run (~2 min): worker SIGKILLs, backend kills, redeliveries, a PostgreSQL restart; at the outbox: dropped responses, relays killed before ack, two relays per message, destination outages. CHAOS_FLAGS for longer soaks.
 	$(GO) run ./cmd/chaos $(CHAOS_FLAGS)
 
 $(STATICCHECK):
