@@ -113,7 +113,10 @@ $(INDEXDB):
 $(VULNDB_STAMP): $(INDEXDB)
 	@echo "writing the vulnerability database of golang.org/x/vulndb@$(VULNDB_VERSION) into bin/vulndb"
 	rm -rf $(VULNDB)
-	dir=$$($(GO) mod download -json golang.org/x/vulndb@$(VULNDB_VERSION) | sed -n 's/^\t"Dir": "\(.*\)",$$/\1/p'); \
+	@# Downloaded from an empty directory, so that no go.sum or go.work.sum takes its dependencies.
+	tmp=$$(mktemp -d); \
+		dir=$$(cd $$tmp && GOWORK=off $(GO) mod download -json golang.org/x/vulndb@$(VULNDB_VERSION) | sed -n 's/^\t"Dir": "\(.*\)",$$/\1/p'); \
+		rmdir $$tmp; \
 		test -d "$$dir/data/osv" && $(BIN)/indexdb -vulns "$$dir/data/osv" -out $(VULNDB)
 	@touch $@
 
