@@ -93,7 +93,7 @@ func run() error {
 		if err != nil {
 			return fmt.Errorf("start PostgreSQL (or set BENCH_DATABASE_URL): %w", err)
 		}
-		defer c.Destroy() //nolint:errcheck // best effort at exit
+		defer c.Destroy() // best effort at exit
 		url, dataDir = c.URL(), filepath.Join(c.Dir, "data")
 	}
 	var writes atomic.Int64

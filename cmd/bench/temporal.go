@@ -48,7 +48,7 @@ func temporalThroughput(ctx context.Context, url string, total, rounds int, effe
 	if err != nil {
 		return res, err
 	}
-	defer srv.Stop() //nolint:errcheck // best effort at exit
+	defer srv.Stop() // best effort at exit
 	pool, err := ledgerworker.OpenPool(ctx, ledgerworker.Config{DatabaseURL: url, MaxConcurrentActivities: 64})
 	if err != nil {
 		return res, err

@@ -87,7 +87,7 @@ func run() error {
 		if err != nil {
 			return fmt.Errorf("start PostgreSQL (or set DATABASE_URL): %w", err)
 		}
-		defer c.Destroy() //nolint:errcheck // best effort at exit
+		defer c.Destroy() // best effort at exit
 		dbURL = c.URL()
 	}
 
@@ -102,7 +102,7 @@ func run() error {
 		if err != nil {
 			return fmt.Errorf("start Temporal dev server (or set TEMPORAL_ADDRESS; make temporal-cli builds the CLI): %w", err)
 		}
-		defer srv.Stop() //nolint:errcheck // best effort at exit
+		defer srv.Stop() // best effort at exit
 		temporalAddr = srv.Address
 		fmt.Printf("Temporal Web UI: %s/namespaces/default/workflows\n", srv.UIAddress)
 	} else {
@@ -124,7 +124,7 @@ func run() error {
 		if jaeger, err = obstest.StartJaeger(path); err != nil {
 			return err
 		}
-		defer jaeger.Stop() //nolint:errcheck // best effort at exit
+		defer jaeger.Stop() // best effort at exit
 		fmt.Printf("Jaeger: OTLP in at %s, query API at %s/api\n", jaeger.OTLPEndpoint, jaeger.QueryURL)
 		envTel, err = ledgerworker.NewTelemetry(ctx, ledgerworker.TelemetryConfig{ServiceName: demoService, TracesEndpoint: jaeger.OTLPEndpoint})
 		if err != nil {
@@ -133,7 +133,7 @@ func run() error {
 	} else if envTel, err = ledgerworker.TelemetryFromEnv(ctx, demoService); err != nil {
 		return err
 	}
-	defer envTel.Shutdown(context.WithoutCancel(ctx)) //nolint:errcheck // best effort at exit
+	defer envTel.Shutdown(context.WithoutCancel(ctx)) // best effort at exit
 	reader := sdkmetric.NewManualReader()
 	tel := &ledgerworker.Telemetry{
 		TracerProvider: envTel.TracerProvider,

@@ -309,7 +309,7 @@ func (ob *Outbox) Migrate(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("outbox: migrate: begin: %w", err)
 	}
-	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // no-op after commit
+	defer tx.Rollback(context.WithoutCancel(ctx)) // no-op after commit
 	if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1)`, ob.lockKey("migrate")); err != nil {
 		return fmt.Errorf("outbox: migrate: advisory lock: %w", err)
 	}
