@@ -39,9 +39,10 @@ var (
 	// or a result, or cannot decode a stored result.
 	ErrEncoding = errors.New("dedupactivity: payload encoding failed")
 
-	// ErrNotMigrated is returned when the marker table, or a function a
-	// later migration adds, does not exist: run Deduper.Migrate (or apply
-	// the files in migrations/) first, also after upgrading this package.
+	// ErrNotMigrated is returned when the marker table or its function does
+	// not exist: run Deduper.Migrate (or apply the files in migrations/)
+	// first, also after upgrading this package. It stays retryable at the
+	// activity edge: the attempt succeeds once the table is there.
 	ErrNotMigrated = errors.New("dedupactivity: marker table or function missing (run Migrate)")
 
 	// ErrTxOwned is returned by the Commit and Rollback methods of the
