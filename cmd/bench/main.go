@@ -24,6 +24,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"runtime/pprof"
 	"slices"
 	"strings"
 	"sync/atomic"
@@ -71,6 +72,7 @@ func run() error {
 	flag.IntVar(&cfg.activities, "activities", 400, "activities per Temporal measurement")
 	flag.IntVar(&cfg.tRounds, "temporal-rounds", 12, "ABBA rounds of the Temporal measurement")
 	flag.IntVar(&cfg.prune, "prune", 1_000_000, "expired markers to prune while measuring claims (0: skip)")
+	cpuprofile := flag.String("cpuprofile", "", "write this process's CPU profile to the file (with -only, say)")
 	flag.StringVar(&cfg.only, "only", "", "semicolon-separated approach names to run (default: all)")
 	flag.IntVar(&cfg.ledgerRows, "effect-rows", 1, "ledger rows the effect inserts per event, one statement each (the issue's effect: 1)")
 	flag.Parse()
@@ -85,6 +87,16 @@ func run() error {
 		cfg.levels = append(cfg.levels, n)
 	}
 	ctx := context.Background()
+	if *cpuprofile != "" {
+		f, err := os.Create(*cpuprofile)
+		if err != nil {
+			return err
+		}
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return err
+		}
+		defer pprof.StopCPUProfile()
+	}
 
 	url, dataDir := os.Getenv("BENCH_DATABASE_URL"), ""
 	if url == "" {
