@@ -4,3 +4,11 @@ package outbox
 // before its acknowledgement; an error stops the pass there, as if the relay
 // process had died.
 func SetAfterSendHook(r *Relay, hook func(Delivery) error) { r.afterSend = hook }
+
+// RelayWorkflow, RelayActivityName and ReconcileActivityName expose the
+// names RegisterRelay and RegisterReconciler register, for tests.
+var RelayWorkflow = relayWorkflow
+
+func RelayActivityName(r *Relay) string { return r.relayActivityName() }
+
+func ReconcileActivityName(rc *Reconciler) string { return rc.reconcileActivityName() }

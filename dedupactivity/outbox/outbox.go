@@ -270,11 +270,11 @@ FROM `+ob.table).Scan(&s.Pending, &s.Sending, &s.Sent, &s.Applied, &s.Dead, &s.R
 	return s, nil
 }
 
-// PruneBatchSize is how many messages one Prune statement deletes.
-const PruneBatchSize = 1000
+// pruneBatchSize is how many messages one Prune statement deletes.
+const pruneBatchSize = 1000
 
 // Prune deletes sent and applied messages that settled more than
-// Options.Retention ago, in batches of PruneBatchSize (each its own short
+// Options.Retention ago, in batches of pruneBatchSize (each its own short
 // transaction, skipping rows locked by others). Pending, sending and dead
 // messages are kept. It returns how many it deleted.
 func (ob *Outbox) Prune(ctx context.Context) (int64, error) {
@@ -282,12 +282,12 @@ func (ob *Outbox) Prune(ctx context.Context) (int64, error) {
 	for {
 		tag, err := ob.pool.Exec(ctx, `DELETE FROM `+ob.table+` WHERE id = ANY (ARRAY(
 	SELECT id FROM `+ob.table+` WHERE state IN ('sent', 'applied') AND settled_at < now() - make_interval(secs => $1)
-	ORDER BY settled_at LIMIT $2 FOR UPDATE SKIP LOCKED))`, ob.opts.Retention.Seconds(), PruneBatchSize)
+	ORDER BY settled_at LIMIT $2 FOR UPDATE SKIP LOCKED))`, ob.opts.Retention.Seconds(), pruneBatchSize)
 		if err != nil {
 			return deleted, fmt.Errorf("outbox: prune: %w", translate(err))
 		}
 		deleted += tag.RowsAffected()
-		if tag.RowsAffected() < PruneBatchSize {
+		if tag.RowsAffected() < pruneBatchSize {
 			return deleted, nil
 		}
 	}

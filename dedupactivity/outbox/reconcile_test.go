@@ -250,8 +250,8 @@ func TestReconcileActivity(t *testing.T) {
 	require.NoError(t, err)
 	var suite testsuite.WorkflowTestSuite
 	env := suite.NewTestActivityEnvironment()
-	env.RegisterActivityWithOptions(rc.Reconcile, activityNamed(rc.ReconcileActivityName()))
-	val, err := env.ExecuteActivity(rc.ReconcileActivityName())
+	env.RegisterActivityWithOptions(rc.Reconcile, activityNamed(outbox.ReconcileActivityName(rc)))
+	val, err := env.ExecuteActivity(outbox.ReconcileActivityName(rc))
 	require.NoError(t, err)
 	var rep outbox.ReconcileReport
 	require.NoError(t, val.Get(&rep))

@@ -284,8 +284,8 @@ func TestRelayActivity(t *testing.T) {
 	b.placeN(t, 3)
 	var suite testsuite.WorkflowTestSuite
 	env := suite.NewTestActivityEnvironment()
-	env.RegisterActivityWithOptions(r.Activity, activityNamed(r.RelayActivityName()))
-	val, err := env.ExecuteActivity(r.RelayActivityName())
+	env.RegisterActivityWithOptions(r.Activity, activityNamed(outbox.RelayActivityName(r)))
+	val, err := env.ExecuteActivity(outbox.RelayActivityName(r))
 	require.NoError(t, err)
 	var res outbox.RelayResult
 	require.NoError(t, val.Get(&res))

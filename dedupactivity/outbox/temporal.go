@@ -15,19 +15,19 @@ import (
 )
 
 // Names under which RegisterRelay and RegisterReconciler register their
-// workflows. Activity names carry the outbox table (RelayActivityName,
-// ReconcileActivityName), so one worker can serve several outboxes.
+// workflows. Activity names carry the outbox table (relayActivityName,
+// reconcileActivityName), so one worker can serve several outboxes.
 const (
-	RelayWorkflowName     = "DedupOutboxRelay"
-	ReconcileWorkflowName = "DedupOutboxReconcile"
+	relayWorkflowName     = "DedupOutboxRelay"
+	reconcileWorkflowName = "DedupOutboxReconcile"
 )
 
-// RelayActivityName is the name of r's relay activity.
-func (r *Relay) RelayActivityName() string { return RelayWorkflowName + ":" + r.ob.table }
+// relayActivityName is the name of r's relay activity.
+func (r *Relay) relayActivityName() string { return relayWorkflowName + ":" + r.ob.table }
 
-// ReconcileActivityName is the name of rc's reconcile activity.
-func (rc *Reconciler) ReconcileActivityName() string {
-	return ReconcileWorkflowName + ":" + rc.ob.table
+// reconcileActivityName is the name of rc's reconcile activity.
+func (rc *Reconciler) reconcileActivityName() string {
+	return reconcileWorkflowName + ":" + rc.ob.table
 }
 
 // RegisterRelay registers the relay workflow and r's relay activity on a
@@ -37,8 +37,8 @@ func (rc *Reconciler) ReconcileActivityName() string {
 // alone when a delivery delay of up to the schedule's interval is fine, or
 // beside Run loops as a sweeper.
 func RegisterRelay(r worker.Registry, relay *Relay) {
-	r.RegisterWorkflowWithOptions(RelayWorkflow, workflow.RegisterOptions{Name: RelayWorkflowName})
-	r.RegisterActivityWithOptions(relay.Activity, activity.RegisterOptions{Name: relay.RelayActivityName()})
+	r.RegisterWorkflowWithOptions(relayWorkflow, workflow.RegisterOptions{Name: relayWorkflowName})
+	r.RegisterActivityWithOptions(relay.Activity, activity.RegisterOptions{Name: relay.relayActivityName()})
 }
 
 // Activity is the relay activity that RegisterRelay registers: one pass
@@ -47,8 +47,8 @@ func (r *Relay) Activity(ctx context.Context) (RelayResult, error) {
 	return r.runOnce(ctx, func(res RelayResult) { activity.RecordHeartbeat(ctx, res) })
 }
 
-// RelayWorkflow runs one relay activity (its name is the input).
-func RelayWorkflow(ctx workflow.Context, activityName string) (RelayResult, error) {
+// relayWorkflow runs one relay activity (its name is the input).
+func relayWorkflow(ctx workflow.Context, activityName string) (RelayResult, error) {
 	var res RelayResult
 	err := workflow.ExecuteActivity(withSweepOptions(ctx), activityName).Get(ctx, &res)
 	return res, err
@@ -57,12 +57,12 @@ func RelayWorkflow(ctx workflow.Context, activityName string) (RelayResult, erro
 // RegisterReconciler registers the reconcile workflow and rc's activity on a
 // worker; the activity runs Reconcile and returns its ReconcileReport.
 func RegisterReconciler(r worker.Registry, rc *Reconciler) {
-	r.RegisterWorkflowWithOptions(ReconcileWorkflow, workflow.RegisterOptions{Name: ReconcileWorkflowName})
-	r.RegisterActivityWithOptions(rc.Reconcile, activity.RegisterOptions{Name: rc.ReconcileActivityName()})
+	r.RegisterWorkflowWithOptions(reconcileWorkflow, workflow.RegisterOptions{Name: reconcileWorkflowName})
+	r.RegisterActivityWithOptions(rc.Reconcile, activity.RegisterOptions{Name: rc.reconcileActivityName()})
 }
 
-// ReconcileWorkflow runs one reconcile activity (its name is the input).
-func ReconcileWorkflow(ctx workflow.Context, activityName string) (ReconcileReport, error) {
+// reconcileWorkflow runs one reconcile activity (its name is the input).
+func reconcileWorkflow(ctx workflow.Context, activityName string) (ReconcileReport, error) {
 	var rep ReconcileReport
 	err := workflow.ExecuteActivity(withSweepOptions(ctx), activityName).Get(ctx, &rep)
 	return rep, err
@@ -77,16 +77,16 @@ func withSweepOptions(ctx workflow.Context) workflow.Context {
 }
 
 // EnsureRelaySchedule creates, if it does not exist, a Schedule with the
-// given ID that runs RelayWorkflow for r every interval on taskQueue (where
+// given ID that runs relayWorkflow for r every interval on taskQueue (where
 // RegisterRelay registered it). Overlapping runs are skipped. It is
 // idempotent and safe to call from every worker at start.
 func EnsureRelaySchedule(ctx context.Context, c client.Client, r *Relay, scheduleID, taskQueue string, interval time.Duration) error {
-	return ensureSchedule(ctx, c, scheduleID, taskQueue, interval, RelayWorkflowName, r.RelayActivityName())
+	return ensureSchedule(ctx, c, scheduleID, taskQueue, interval, relayWorkflowName, r.relayActivityName())
 }
 
 // EnsureReconcileSchedule is EnsureRelaySchedule for a Reconciler.
 func EnsureReconcileSchedule(ctx context.Context, c client.Client, rc *Reconciler, scheduleID, taskQueue string, interval time.Duration) error {
-	return ensureSchedule(ctx, c, scheduleID, taskQueue, interval, ReconcileWorkflowName, rc.ReconcileActivityName())
+	return ensureSchedule(ctx, c, scheduleID, taskQueue, interval, reconcileWorkflowName, rc.reconcileActivityName())
 }
 
 func ensureSchedule(ctx context.Context, c client.Client, id, taskQueue string, interval time.Duration, wf, act string) error {
