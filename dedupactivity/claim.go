@@ -42,15 +42,15 @@ type attempt struct {
 
 // claim runs one delivery of the event m on a pooled connection:
 //
-//  1. One round trip: BEGIN (READ COMMITTED), the claim's lock_timeout, the
-//     marker insert (ON CONFLICT DO NOTHING RETURNING), and the session's
-//     lock_timeout back. A concurrent attempt holding the event makes the
-//     insert wait, at most the claim wait; a committed marker makes it insert
-//     nothing: a duplicate.
+//  1. One round trip: BEGIN (READ COMMITTED) and the claim statement, which
+//     inserts the marker key (ON CONFLICT DO NOTHING) under the claim wait
+//     as its lock_timeout. A concurrent attempt holding the event makes the
+//     insert wait, at most the claim wait; a committed marker makes it
+//     insert nothing: a duplicate.
 //  2. The effect, through a Tx that refuses Commit and Rollback and dies
 //     when the attempt ends.
-//  3. One round trip: the result into the marker (a HOT update; skipped when
-//     results are discarded) and COMMIT.
+//  3. One round trip: the result into the marker (a HOT update), checked to
+//     run in the claim's own transaction, and COMMIT.
 //  4. Duplicate: one round trip that rolls back (nothing was written) and
 //     reads the committed marker.
 //
