@@ -158,7 +158,10 @@ func (b *bench) approaches() []approach {
 		}},
 		{name: nameByHand, reference: true, deliver: b.byHand},
 		{name: nameByHandNoIdx, reference: true, deliver: func(ctx context.Context, key string, in posting) (bool, error) {
-			return b.byHandOn(ctx, `"dedup_noidx"`, key, in)
+			return b.byHandOn(ctx, `"dedup_noidx"`, true, key, in)
+		}},
+		{name: nameByHandNoWait, reference: true, deliver: func(ctx context.Context, key string, in posting) (bool, error) {
+			return b.byHandOn(ctx, `"dedup_marker"`, false, key, in)
 		}},
 		{name: nameFloor, reference: true, deliver: b.floor},
 	}
