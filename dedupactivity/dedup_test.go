@@ -122,17 +122,10 @@ func TestConcurrentDeliveries(t *testing.T) {
 func TestClaimWaitIsBounded(t *testing.T) {
 	t.Parallel()
 	b := setup(t, dedupactivity.Options{ClaimWait: 300 * time.Millisecond})
-	holding, release := make(chan struct{}), make(chan struct{})
-	var once sync.Once
-	dedupactivity.SetAfterClaimHook(b.d, func(ctx context.Context, tx pgx.Tx) error {
-		once.Do(func() { close(holding); <-release })
-		return nil
-	})
+	holding, release := holdFirstClaim(t, b)
 	fn := dedupactivity.Wrap(b.d, b.post)
 	in := Transfer{Account: "a", Amount: 3}
 
-	var releaseOnce sync.Once
-	t.Cleanup(func() { releaseOnce.Do(func() { close(release) }) })
 	holderDone := make(chan error, 1)
 	go func() { _, err := deliver(t, "Post", fn, in); holderDone <- err }()
 	<-holding
@@ -146,7 +139,7 @@ func TestClaimWaitIsBounded(t *testing.T) {
 	require.False(t, ae.NonRetryable(), "a claim timeout is retryable")
 	require.Less(t, waited, 10*time.Second)
 
-	releaseOnce.Do(func() { close(release) })
+	release()
 	require.NoError(t, <-holderDone)
 	p, err := deliver(t, "Post", fn, in)
 	require.NoError(t, err, "the retry after the holder committed is a duplicate")
@@ -420,14 +413,7 @@ func TestDoOutsideTemporal(t *testing.T) {
 func TestClaimWaitCutByDeadline(t *testing.T) {
 	t.Parallel()
 	b := setup(t, dedupactivity.Options{}) // ClaimWait: the 10s default
-	holding, release := make(chan struct{}), make(chan struct{})
-	var releaseOnce sync.Once
-	t.Cleanup(func() { releaseOnce.Do(func() { close(release) }) }) // before the pool closes, on failure too
-	var once sync.Once
-	dedupactivity.SetAfterClaimHook(b.d, func(ctx context.Context, tx pgx.Tx) error {
-		once.Do(func() { close(holding); <-release })
-		return nil
-	})
+	holding, release := holdFirstClaim(t, b)
 	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "held"}
 	in := Transfer{Account: "a", Amount: 1}
 	holder := make(chan error, 1)
@@ -441,6 +427,6 @@ func TestClaimWaitCutByDeadline(t *testing.T) {
 	require.ErrorIs(t, err, dedupactivity.ErrClaimTimeout)
 	require.Equal(t, dedupactivity.OutcomeClaimTimeout, outcome)
 
-	releaseOnce.Do(func() { close(release) })
+	release()
 	require.NoError(t, <-holder)
 }

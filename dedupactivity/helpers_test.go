@@ -2,6 +2,7 @@ package dedupactivity_test
 
 import (
 	"context"
+	"sync"
 	"sync/atomic"
 	"testing"
 
@@ -111,4 +112,21 @@ func deliver[In, Out any](t *testing.T, name string, fn func(context.Context, In
 func hashOf(id dedupactivity.Identity) []byte {
 	h := id.Hash()
 	return h[:]
+}
+
+// holdFirstClaim makes the first claim through b.d stop after inserting its
+// marker, inside its transaction, until release is called: holding is closed
+// once it holds. Cleanup releases it too, before the test's pool closes, so
+// a failing test reports instead of hanging.
+func holdFirstClaim(t *testing.T, b *testBundle) (holding <-chan struct{}, release func()) {
+	t.Helper()
+	h, r := make(chan struct{}), make(chan struct{})
+	var once, releaseOnce sync.Once
+	release = func() { releaseOnce.Do(func() { close(r) }) }
+	t.Cleanup(release)
+	dedupactivity.SetAfterClaimHook(b.d, func(ctx context.Context, tx pgx.Tx) error {
+		once.Do(func() { close(h); <-r })
+		return nil
+	})
+	return h, release
 }

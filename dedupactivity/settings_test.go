@@ -3,7 +3,6 @@ package dedupactivity_test
 import (
 	"context"
 	"fmt"
-	"sync"
 	"testing"
 	"time"
 
@@ -127,14 +126,7 @@ func TestAnySessionSettingAndExecMode(t *testing.T) {
 func TestStatementTimeoutShorterThanClaimWait(t *testing.T) {
 	t.Parallel()
 	b := setup(t, dedupactivity.Options{})
-	holding, release := make(chan struct{}), make(chan struct{})
-	var releaseOnce sync.Once
-	t.Cleanup(func() { releaseOnce.Do(func() { close(release) }) }) // before the pool closes, on failure too
-	var once sync.Once
-	dedupactivity.SetAfterClaimHook(b.d, func(ctx context.Context, tx pgx.Tx) error {
-		once.Do(func() { close(holding); <-release })
-		return nil
-	})
+	holding, release := holdFirstClaim(t, b)
 	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "held"}
 	in := Transfer{Account: "a", Amount: 1}
 	holder := make(chan error, 1)
@@ -155,7 +147,7 @@ func TestStatementTimeoutShorterThanClaimWait(t *testing.T) {
 	require.ErrorContains(t, err, "statement_timeout")
 	require.Equal(t, dedupactivity.OutcomeClaimTimeout, outcome)
 	require.Less(t, time.Since(began), 5*time.Second)
-	releaseOnce.Do(func() { close(release) })
+	release()
 	require.NoError(t, <-holder)
 	require.Equal(t, int64(1), b.ledgerRows(t))
 }
