@@ -86,53 +86,50 @@ func (l *Ledger) applyPost(ctx context.Context, tx pgx.Tx, in Transfer) (Posting
 	return p, err
 }
 
-// examplePool is a pool on a schema of its own with an account table, for
-// the examples that run (on the test server).
-func examplePool() *pgxpool.Pool {
+// exampleDeduper is a migrated Deduper on a schema of its own (with an
+// account table) on the test server, for the examples that run; done drops
+// the schema and closes the pool.
+func exampleDeduper() (pool *pgxpool.Pool, d *dedupactivity.Deduper, done func()) {
 	s, err := pgtest.Start()
 	if err != nil {
 		log.Fatal(err)
 	}
 	ctx := context.Background()
-	pool, err := pgxpool.New(ctx, s.URL)
-	if err != nil {
-		log.Fatal(err)
-	}
 	schema := "example_" + strings.ReplaceAll(fmt.Sprint(time.Now().UnixNano()), "-", "")
-	if _, err := pool.Exec(ctx, `CREATE SCHEMA `+schema+`; SET search_path = `+schema); err != nil {
-		log.Fatal(err)
-	}
-	pool.Close()
-	url, _ := pgtest.WithSearchPath(s.URL, schema)
-	pool, err = pgxpool.New(ctx, url)
+	admin, err := pgxpool.New(ctx, s.URL)
 	if err != nil {
 		log.Fatal(err)
+	}
+	if _, err := admin.Exec(ctx, `CREATE SCHEMA `+schema); err != nil {
+		log.Fatal(err)
+	}
+	url, _ := pgtest.WithSearchPath(s.URL, schema)
+	if pool, err = pgxpool.New(ctx, url); err != nil {
+		log.Fatal(err)
+	}
+	done = func() {
+		pool.Close()
+		_, _ = admin.Exec(ctx, `DROP SCHEMA `+schema+` CASCADE`)
+		admin.Close()
 	}
 	if _, err := pool.Exec(ctx, `CREATE TABLE account (id text PRIMARY KEY, balance bigint NOT NULL DEFAULT 0); INSERT INTO account VALUES ('a', 0)`); err != nil {
 		log.Fatal(err)
 	}
-	return pool
-}
-
-// exampleDeduper is a migrated Deduper on examplePool.
-func exampleDeduper() (*pgxpool.Pool, *dedupactivity.Deduper) {
-	pool := examplePool()
-	d, err := dedupactivity.New(pool, dedupactivity.Options{})
-	if err != nil {
+	if d, err = dedupactivity.New(pool, dedupactivity.Options{}); err != nil {
 		log.Fatal(err)
 	}
-	if err := d.Migrate(context.Background()); err != nil {
+	if err := d.Migrate(ctx); err != nil {
 		log.Fatal(err)
 	}
-	return pool, d
+	return pool, d, done
 }
 
 // The struct form: a Temporal activities struct whose method keeps its
 // signature and calls the wrapped effect. Here the same event is delivered
 // twice through the test environment; the effect applies once.
 func ExampleWrap() {
-	pool, d := exampleDeduper()
-	defer pool.Close()
+	_, d, done := exampleDeduper()
+	defer done()
 	ledger := NewLedger(d)
 	for range 2 { // each new environment delivers the same event again
 		var suite testsuite.WorkflowTestSuite
@@ -153,8 +150,8 @@ func ExampleWrap() {
 
 // Do deduplicates work outside Temporal, with an identity you build.
 func ExampleDo() {
-	pool, d := exampleDeduper()
-	defer pool.Close()
+	_, d, done := exampleDeduper()
+	defer done()
 	ctx := context.Background()
 	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, Namespace: "kafka", ActivityType: "Post", Key: "offset-42"}
 	for range 2 {
@@ -171,8 +168,8 @@ func ExampleDo() {
 
 // ClaimTx claims inside a transaction the caller owns.
 func ExampleClaimTx() {
-	pool, d := exampleDeduper()
-	defer pool.Close()
+	pool, d, done := exampleDeduper()
+	defer done()
 	ctx := context.Background()
 	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "order-1"}
 	for range 2 {
@@ -201,8 +198,8 @@ func ExampleClaimTx() {
 // Prune deletes expired markers in short batches; RegisterPruner and
 // EnsurePruneSchedule run it from a Temporal Schedule.
 func ExampleDeduper_Prune() {
-	pool, d := exampleDeduper()
-	defer pool.Close()
+	_, d, done := exampleDeduper()
+	defer done()
 	ctx := context.Background()
 	deleted, err := d.Prune(ctx)
 	if err != nil {
