@@ -134,8 +134,13 @@ func New(pool *pgxpool.Pool, opts Options) (*Middleware, error) {
 	if opts.ReplayHeaders == nil {
 		opts.ReplayHeaders = []string{"Content-Type", "Location", "ETag"}
 	}
-	if opts.MaxBodyBytes < 0 {
+	switch {
+	case opts.MaxBodyBytes < 0:
 		return nil, fmt.Errorf("%w: MaxBodyBytes must not be negative, got %d", dedupactivity.ErrInvalidOptions, opts.MaxBodyBytes)
+	case opts.Dedup.DiscardResults:
+		return nil, fmt.Errorf("%w: Dedup.DiscardResults cannot be set: a replay returns the stored response", dedupactivity.ErrInvalidOptions)
+	case opts.Dedup.MismatchPolicy != dedupactivity.MismatchReject:
+		return nil, fmt.Errorf("%w: Dedup.MismatchPolicy must be MismatchReject: the same key with another request gets 422", dedupactivity.ErrInvalidOptions)
 	}
 	opts.Dedup.ClaimWait = opts.InFlightWait
 	d, err := dedupactivity.New(pool, opts.Dedup)
@@ -176,7 +181,7 @@ type response struct {
 	Body   []byte
 }
 
-// serverError is a handler response of 500 or more: the transaction rolls
+// serverError is a handler response that is not stored (see storable): the transaction rolls
 // back and the response is passed on, not stored.
 type serverError struct{ rec *recorder }
 
@@ -227,7 +232,7 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 				if rec.status == 0 {
 					rec.status = http.StatusOK
 				}
-				if rec.status >= 500 {
+				if !storable(rec.status) {
 					return response{}, serverError{rec}
 				}
 				first = rec
@@ -254,7 +259,8 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 }
 
 // Applied says whether a request with key was applied: its handler
-// committed (and answered below 500). Before the keys' retention ends.
+// committed and answered with a stored status (see storable). Before the
+// keys' retention ends.
 func (m *Middleware) Applied(ctx context.Context, key string) (bool, error) {
 	ok, err := m.d.Applied(ctx, m.identity(key))
 	if err != nil {
@@ -335,4 +341,17 @@ func writeResponse(w http.ResponseWriter, status int, h http.Header, body []byte
 	}
 	w.WriteHeader(status)
 	_, _ = w.Write(body)
+}
+
+// storable says whether a response is kept for replay, with the handler's
+// writes: a 5xx is not (the request may succeed on a retry), nor are the 4xx
+// answers that ask the client to retry (408, 409, 425, 429), which the
+// outbox's HTTPSender retries too. Everything else is final, as Stripe
+// keeps it.
+func storable(status int) bool {
+	switch status {
+	case http.StatusRequestTimeout, http.StatusConflict, http.StatusTooEarly, http.StatusTooManyRequests:
+		return false
+	}
+	return status < 500
 }

@@ -209,10 +209,22 @@ func TestConcurrentSameKeyAppliesOnce(t *testing.T) {
 
 func TestServerErrorRollsBackAndIsNotStored(t *testing.T) {
 	t.Parallel()
+	for _, status := range []int{http.StatusServiceUnavailable, http.StatusTooManyRequests, http.StatusConflict, http.StatusRequestTimeout, http.StatusTooEarly} {
+		t.Run(http.StatusText(status), func(t *testing.T) {
+			t.Parallel()
+			testNotStored(t, status)
+		})
+	}
+}
+
+// testNotStored: a response asking for a retry (5xx, or a 4xx the outbox's
+// HTTPSender retries) rolls the handler back and is not stored, so the
+// retry runs the handler again and the key is not applied.
+func testNotStored(t *testing.T, status int) {
 	b := setup(t, idemhttp.Options{})
-	b.status.Store(http.StatusServiceUnavailable)
+	b.status.Store(int64(status))
 	r := b.post(t, "/receipts", "k1", `{}`)
-	require.Equal(t, http.StatusServiceUnavailable, r.status, "passed on")
+	require.Equal(t, status, r.status, "passed on")
 	require.Zero(t, b.receipts(t), "the handler's insert rolled back")
 	applied, err := b.m.Applied(context.Background(), "k1")
 	require.NoError(t, err)
@@ -292,5 +304,10 @@ func TestScopesSeparateKeys(t *testing.T) {
 		require.Empty(t, rec.Header().Get(idemhttp.ReplayedHeader), "not a replay in the other scope")
 	}
 	_, err = idemhttp.New(s.Pool, idemhttp.Options{Dedup: dedupactivity.Options{Table: "Bad"}})
+	require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions)
+	// What would break a replay or the 422 is refused.
+	_, err = idemhttp.New(s.Pool, idemhttp.Options{Dedup: dedupactivity.Options{DiscardResults: true}})
+	require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions)
+	_, err = idemhttp.New(s.Pool, idemhttp.Options{Dedup: dedupactivity.Options{MismatchPolicy: dedupactivity.MismatchReturnStored}})
 	require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions)
 }

@@ -12,6 +12,7 @@ import (
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
+	"go.temporal.io/sdk/activity"
 )
 
 // Checker asks a destination whether it applied a message: "did you apply
@@ -217,7 +218,7 @@ FROM `+t+`
 WHERE state = 'dead'
    OR (state = 'pending' AND unacked_since < now() - make_interval(secs => $1))
    OR (state = 'sending' AND lease_until < now() AND unacked_since < now() - make_interval(secs => $1))
-ORDER BY id LIMIT $2`, rc.cfg.UnackedAfter.Seconds(), rc.cfg.MaxMessages)
+ORDER BY (state = 'dead' AND requeues >= $3), id LIMIT $2`, rc.cfg.UnackedAfter.Seconds(), rc.cfg.MaxMessages, rc.cfg.MaxRequeues)
 	if err != nil {
 		return rep, fmt.Errorf("outbox: reconcile: %w", translate(err))
 	}
@@ -242,9 +243,14 @@ ORDER BY id LIMIT $2`, rc.cfg.UnackedAfter.Seconds(), rc.cfg.MaxMessages)
 	if err := rows.Err(); err != nil {
 		return rep, fmt.Errorf("outbox: reconcile: %w", translate(err))
 	}
+	// Dead letters out of re-queues come last, so they cannot crowd out
+	// the messages a run can still settle.
 	for _, c := range cands {
 		if ctx.Err() != nil {
 			return rep, ctx.Err()
+		}
+		if activity.IsActivity(ctx) {
+			activity.RecordHeartbeat(ctx, rep.Checked) // each check may take the Checker's timeout
 		}
 		rep.Checked++
 		unresolved := func(reason string) {

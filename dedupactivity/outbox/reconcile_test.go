@@ -257,3 +257,24 @@ func TestReconcileActivity(t *testing.T) {
 	require.NoError(t, val.Get(&rep))
 	require.Equal(t, outbox.ReconcileReport{Checked: 1, Requeued: 1}, rep)
 }
+
+// TestReconcilerSpentDeadLettersComeLast: dead letters out of re-queues
+// (reported on every run) do not crowd out a message the run can still
+// settle.
+func TestReconcilerSpentDeadLettersComeLast(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	rv := newReceiver(t)
+	keys := b.placeN(t, 3)
+	ctx := context.Background()
+	_, err := b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET state = 'dead', requeues = 5 WHERE idempotency_key = ANY($1)`, keys[:2])
+	require.NoError(t, err)
+	_, err = b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET unacked_since = now() - interval '1 hour' WHERE idempotency_key = $1`, keys[2])
+	require.NoError(t, err)
+
+	rc, err := outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{Checker: rv.checker(), MaxRequeues: 1, MaxMessages: 1})
+	require.NoError(t, err)
+	rep, err := rc.Reconcile(ctx)
+	require.NoError(t, err)
+	require.Equal(t, outbox.ReconcileReport{Checked: 1, Requeued: 1}, rep, "the unacknowledged message, not a spent dead letter")
+}

@@ -39,11 +39,13 @@ type RelayConfig struct {
 	// Defaults to DefaultPollInterval (1s).
 	PollInterval time.Duration
 
-	// Lease is how long a claimed message belongs to the relay that claimed
+	// Lease is how long a claimed batch belongs to the relay that claimed
 	// it. A relay that dies between send and acknowledgement leaves the
 	// message leased; when the lease expires, any relay sends it again with
-	// the same key. It must exceed the Sender's own timeout (HTTPSender's
-	// Timeout), or a slow send could be repeated while it runs.
+	// the same key. A relay cuts each send at its lease's end and gives
+	// back the messages left with under a quarter of it, so no two relays
+	// send one message at once; make it a few times the Sender's own
+	// timeout (HTTPSender's Timeout) so sends are not cut short.
 	//
 	// Defaults to DefaultLease (30s).
 	Lease time.Duration
@@ -222,12 +224,23 @@ func (r *Relay) runOnce(ctx context.Context, progress func(RelayResult)) (RelayR
 	}
 	defer r.recordOldest(ctx)
 	for {
+		// The lease's end by this process's clock, taken before the claim:
+		// it comes no later than the end the database records, whatever
+		// the two clocks say.
+		leaseEnd := time.Now().Add(r.cfg.Lease)
 		batch, err := r.claim(ctx, passStart)
 		if err != nil {
 			return res, err
 		}
 		for i, d := range batch {
-			if err := r.deliver(ctx, d, &res); err != nil {
+			// Once the lease is over another relay may claim and send the
+			// message: each send is cut at the lease's end, and messages
+			// left with too little of it go back for the next claim.
+			if time.Until(leaseEnd) < r.cfg.Lease/4 {
+				r.release(ctx, batch[i:])
+				break
+			}
+			if err := r.deliver(ctx, leaseEnd, d, &res); err != nil {
 				// Release the rest of the batch for other relays: their
 				// leases would otherwise have to expire.
 				r.release(ctx, batch[i+1:])
@@ -276,11 +289,20 @@ RETURNING id, idempotency_key, destination, name, headers, payload, attempts, tr
 // errRelayStopped: the relay stopped between send and acknowledgement.
 var errRelayStopped = errors.New("outbox: relay stopped before acknowledging a send")
 
-// deliver sends one leased message and records what happened. It returns an
-// error only when the pass must stop.
-func (r *Relay) deliver(ctx context.Context, d Delivery, res *RelayResult) error {
+// deliver sends one leased message, within its lease, and records what
+// happened. It returns an error only when the pass must stop.
+func (r *Relay) deliver(ctx context.Context, leaseEnd time.Time, d Delivery, res *RelayResult) error {
 	ctx, span := r.tel.startSend(ctx, d)
-	sendErr := r.cfg.Sender.Send(ctx, d)
+	sendCtx, cancelSend := context.WithDeadline(ctx, leaseEnd)
+	sendErr := r.cfg.Sender.Send(sendCtx, d)
+	cancelSend()
+	if sendErr != nil && ctx.Err() != nil {
+		// The relay is stopping, not the destination failing: give the
+		// message back without counting the try.
+		r.release(ctx, []Delivery{d})
+		r.tel.endSend(ctx, span, d, resultStopped, sendErr)
+		return ctx.Err()
+	}
 	if sendErr == nil && r.afterSend != nil {
 		if err := r.afterSend(d); err != nil {
 			r.tel.endSend(ctx, span, d, resultStopped, err)

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/attribute"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
@@ -103,6 +104,34 @@ func TestManyRelaysNeverSendOneMessageConcurrently(t *testing.T) {
 	require.Equal(t, len(keys), distinct)
 	require.Zero(t, dest.overlap)
 	require.Equal(t, 120, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'sent' AND attempts = 1`))
+}
+
+// TestSlowSendsNeverOverlap: with sends slow enough that a batch outlasts
+// its lease, a relay cuts each send at its lease's end and gives back what it
+// cannot send in time, so two relays running at once never send one message
+// concurrently.
+func TestSlowSendsNeverOverlap(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	dest := newDestination(t, nil)
+	dest.delay = 100 * time.Millisecond
+	keys := b.placeN(t, 8)
+	var wg sync.WaitGroup
+	for range 2 {
+		r := b.relay(t, dest, outbox.RelayConfig{BatchSize: 8, Lease: 600 * time.Millisecond, MinBackoff: 10 * time.Millisecond})
+		wg.Go(func() {
+			deadline := time.Now().Add(20 * time.Second)
+			for time.Now().Before(deadline) && b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state <> 'sent'`) > 0 {
+				_, err := r.RunOnce(context.Background())
+				assert.NoError(t, err)
+			}
+		})
+	}
+	wg.Wait()
+	require.Equal(t, 8, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'sent'`))
+	_, distinct := dest.total()
+	require.Equal(t, len(keys), distinct)
+	require.Zero(t, dest.overlap, "no message was sent by two relays at once")
 }
 
 func TestRelayCrashBetweenSendAndAckResendsSameKey(t *testing.T) {
@@ -370,3 +399,20 @@ func TestRelayTelemetry(t *testing.T) {
 }
 
 func activityNamed(name string) activity.RegisterOptions { return activity.RegisterOptions{Name: name} }
+
+// TestRelayStoppingGivesTheMessageBack: a relay stopped during a send (its
+// context cancelled) gives the message back without counting the try, so a
+// shutdown on the last try does not make a dead letter.
+func TestRelayStoppingGivesTheMessageBack(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	dest := newDestination(t, nil)
+	dest.delay = time.Second
+	b.placeN(t, 1)
+	r := b.relay(t, dest, outbox.RelayConfig{MaxAttempts: 1})
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	_, err := r.RunOnce(ctx)
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'pending' AND tries = 0`))
+}
