@@ -379,7 +379,8 @@ WHERE id = $1 AND state = 'sending' AND attempts = $2`, d.ID, d.Attempt, string(
 	return tag.RowsAffected(), nil
 }
 
-// release gives leased messages back without counting their attempt.
+// release gives leased messages back without counting their attempt (and,
+// for a message never sent before, without marking it unacknowledged).
 func (r *Relay) release(ctx context.Context, batch []Delivery) {
 	if len(batch) == 0 {
 		return
@@ -391,7 +392,8 @@ func (r *Relay) release(ctx context.Context, batch []Delivery) {
 	for i, d := range batch {
 		ids[i], attempts[i] = d.ID, int32(d.Attempt)
 	}
-	_, _ = r.ob.pool.Exec(rctx, `UPDATE `+r.ob.table+` o SET state = 'pending', attempts = o.attempts - 1, tries = o.tries - 1, lease_until = NULL
+	_, _ = r.ob.pool.Exec(rctx, `UPDATE `+r.ob.table+` o SET state = 'pending', attempts = o.attempts - 1, tries = o.tries - 1, lease_until = NULL,
+	unacked_since = CASE WHEN o.attempts = 1 THEN NULL ELSE o.unacked_since END
 FROM unnest($1::bigint[], $2::int[]) AS l(id, attempts)
 WHERE o.id = l.id AND o.state = 'sending' AND o.attempts = l.attempts`, ids, attempts)
 }

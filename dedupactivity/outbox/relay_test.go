@@ -414,5 +414,5 @@ func TestRelayStoppingGivesTheMessageBack(t *testing.T) {
 	defer cancel()
 	_, err := r.RunOnce(ctx)
 	require.ErrorIs(t, err, context.DeadlineExceeded)
-	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'pending' AND tries = 0`))
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'pending' AND tries = 0 AND attempts = 0 AND unacked_since IS NULL`))
 }
