@@ -288,6 +288,47 @@ func (d *Deduper) judge(m *marker, st stored, found bool, err error, a attempt) 
 	return a, nil
 }
 
+// newMarker validates id and builds the marker a delivery of it claims (the
+// input's fingerprint comes later, with fingerprintInput, once the attempt
+// is traced).
+func (d *Deduper) newMarker(info activity.Info, id Identity, retention time.Duration) (*marker, [32]byte, error) {
+	enc := id.Encode()
+	if err := id.validate(enc); err != nil {
+		return nil, [32]byte{}, err
+	}
+	hash := sha256Sum(enc)
+	m := &marker{hash: hash[:], attempt: info.Attempt, activityType: validText(info.ActivityType.Name),
+		expiresAt: expiry(info, retention)}
+	if d.opts.DiscardResults {
+		m.result = []byte{} // empty, not NULL: a result that is not kept
+	}
+	return m, hash, nil
+}
+
+// fingerprintInput fingerprints a business-keyed input. Run-scoped
+// identities need none: Temporal's history fixes their input, so a
+// difference could only be a false alarm (an input struct that gained a
+// field between attempts).
+func (m *marker) fingerprintInput(id Identity, in any) (err error) {
+	if id.Kind == KindBusinessKey {
+		m.fingerprint, err = fingerprint(in)
+	}
+	return err
+}
+
+// infoFor is the activity info of ctx, or, outside an activity (Do,
+// ClaimTx), an empty one naming id's activity type.
+func infoFor(ctx context.Context, id Identity) activity.Info {
+	var info activity.Info
+	if activity.IsActivity(ctx) {
+		info = activity.GetInfo(ctx)
+	}
+	if info.ActivityType.Name == "" {
+		info.ActivityType.Name = id.ActivityType
+	}
+	return info
+}
+
 // expiry is when a marker claimed now may be pruned: retention from now, and
 // never before the activity's own redelivery bound (ScheduledTime +
 // ScheduleToClose) when it has one.

@@ -56,37 +56,21 @@ func ClaimTx[Out any](ctx context.Context, d *Deduper, tx pgx.Tx, id Identity, i
 	case d.opts.PartitionInterval > 0:
 		return nil, fmt.Errorf("%w: ClaimTx does not support the partitioned layout (PartitionInterval)", ErrInvalidOptions)
 	}
-	enc := id.Encode()
-	if err := id.validate(enc); err != nil {
+	info := infoFor(ctx, id)
+	m, hash, err := d.newMarker(info, id, d.opts.Retention)
+	if err != nil {
 		return nil, err
 	}
-	var info activity.Info
-	if activity.IsActivity(ctx) {
-		info = activity.GetInfo(ctx)
-	}
-	if info.ActivityType.Name == "" {
-		info.ActivityType.Name = id.ActivityType
-	}
-	hash := sha256Sum(enc)
-	c := &Claim[Out]{d: d, tx: tx, info: info, m: &marker{
-		hash: hash[:], attempt: info.Attempt, activityType: validText(info.ActivityType.Name),
-		expiresAt: expiry(info, d.opts.Retention),
-	}}
-	if d.opts.DiscardResults {
-		c.m.result = []byte{}
-	}
+	c := &Claim[Out]{d: d, tx: tx, info: info, m: m}
 
 	ctx, rec := d.tel.start(ctx, info, id, hash)
 	a := attempt{outcome: OutcomeError}
-	var err error
 	defer func() {
 		rec.set(a)
 		d.tel.end(ctx, rec, err)
 	}()
-	if id.Kind == KindBusinessKey {
-		if c.m.fingerprint, err = fingerprint(in); err != nil {
-			return nil, err
-		}
+	if err = m.fingerprintInput(id, in); err != nil {
+		return nil, err
 	}
 	start := time.Now()
 	b := &pgx.Batch{}

@@ -14,7 +14,6 @@ import (
 type Deduper struct {
 	pool  *pgxpool.Pool
 	opts  Options
-	table string // schema-qualified, quoted table name
 	store *store
 	tel   *telemetry
 
@@ -38,8 +37,7 @@ func New(pool *pgxpool.Pool, opts Options) (*Deduper, error) {
 		return nil, fmt.Errorf("dedupactivity: telemetry: %w", err)
 	}
 	d := &Deduper{pool: pool, opts: opts, tel: tel}
-	d.table = d.qualify(opts.Table)
-	d.store = newStore(d.table, d.qualify(opts.Table+"_ended"), opts.PartitionInterval > 0, d.qualify(opts.Table+"_default"))
+	d.store = newStore(d.qualify(opts.Table), d.qualify(opts.Table+"_ended"), opts.PartitionInterval > 0, d.qualify(opts.Table+"_default"))
 	if err := tel.observeOldest(d); err != nil {
 		return nil, fmt.Errorf("dedupactivity: telemetry: %w", err)
 	}

@@ -85,7 +85,7 @@ func (d *Deduper) Migrate(ctx context.Context) error {
 
 	var columns int
 	var hasFunc, hasVersions bool
-	if err := d.pool.QueryRow(ctx, catalogSQL, d.table, markerColumns, versionTable, d.qualify(d.opts.Table+"_ended")+"()").Scan(&columns, &hasVersions, &hasFunc); err != nil {
+	if err := d.pool.QueryRow(ctx, catalogSQL, d.store.table, markerColumns, versionTable, d.qualify(d.opts.Table+"_ended")+"()").Scan(&columns, &hasVersions, &hasFunc); err != nil {
 		return fmt.Errorf("dedupactivity: migrate: read catalog: %w", err)
 	}
 	var recorded *int

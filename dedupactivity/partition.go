@@ -68,7 +68,7 @@ type partition struct {
 
 // partitions lists the range partitions (not the default one).
 func (d *Deduper) partitions(ctx context.Context) ([]partition, error) {
-	rows, err := d.pool.Query(ctx, listPartitionsSQL, d.table)
+	rows, err := d.pool.Query(ctx, listPartitionsSQL, d.store.table)
 	if err != nil {
 		return nil, fmt.Errorf("dedupactivity: list partitions: %w", interpretError(err, false))
 	}

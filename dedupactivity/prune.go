@@ -70,7 +70,7 @@ const (
 )
 
 // pruneActivityName is the name of d's prune activity.
-func (d *Deduper) pruneActivityName() string { return pruneActivityPrefix + d.table }
+func (d *Deduper) pruneActivityName() string { return pruneActivityPrefix + d.store.table }
 
 // PruneResult is what one pruning run did.
 type PruneResult struct {

@@ -156,14 +156,7 @@ func Do[In, Out any](ctx context.Context, d *Deduper, id Identity, in In, fn Eff
 	if w.cfg.keyFn != nil {
 		return zero, OutcomeError, fmt.Errorf("%w: Do takes its identity as an argument; WithBusinessKey does not apply", ErrInvalidOptions)
 	}
-	var info activity.Info
-	if activity.IsActivity(ctx) {
-		info = activity.GetInfo(ctx)
-	}
-	if info.ActivityType.Name == "" {
-		info.ActivityType.Name = id.ActivityType
-	}
-	out, a, err := w.apply(ctx, info, id, in, true)
+	out, a, err := w.apply(ctx, infoFor(ctx, id), id, in, true)
 	return out, a.outcome, err
 }
 
@@ -196,21 +189,15 @@ func (w *wrapper[In, Out]) run(ctx context.Context, in In) (Out, error) {
 // returns; the SDK does the same round trip for an activity's result).
 func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Identity, in In, decodeClaimed bool) (out Out, a attempt, err error) {
 	a.outcome = OutcomeError
-	enc := id.Encode()
-	if err := id.validate(enc); err != nil {
+	m, hash, err := w.d.newMarker(info, id, w.cfg.retention)
+	if err != nil {
 		return out, a, err
 	}
-	hash := sha256Sum(enc)
-	m := &marker{hash: hash[:], attempt: info.Attempt, activityType: validText(info.ActivityType.Name)}
 	if w.d.opts.PartitionInterval > 0 {
 		if id.Kind != KindActivity && id.Kind != KindStandalone || info.ScheduledTime.IsZero() {
 			return out, a, fmt.Errorf("%w: the partitioned layout (PartitionInterval) supports run-scoped identities of regular and standalone activities only, not %s identities or calls outside an activity: their deliveries do not share a ScheduledTime", ErrInvalidOptions, id.Kind)
 		}
 		m.scheduledAt = info.ScheduledTime
-	}
-	m.expiresAt = expiry(info, w.cfg.retention)
-	if w.d.opts.DiscardResults {
-		m.result = []byte{} // empty, not NULL: a result that is not kept
 	}
 
 	ctx, rec := w.d.tel.start(ctx, info, id, hash)
@@ -226,13 +213,8 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 		w.d.tel.end(ctx, rec, err)
 	}()
 
-	if id.Kind == KindBusinessKey {
-		// Run-scoped identities need no fingerprint: Temporal's history
-		// fixes their input, so a difference could only be a false alarm
-		// (an input struct that gained a field between attempts).
-		if m.fingerprint, err = fingerprint(in); err != nil {
-			return out, a, err
-		}
+	if err = m.fingerprintInput(id, in); err != nil {
+		return out, a, err
 	}
 
 	var claimedOut Out
