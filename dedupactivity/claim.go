@@ -46,7 +46,8 @@ type attempt struct {
 //     inserts the marker key (ON CONFLICT DO NOTHING) under the claim wait
 //     as its lock_timeout. A concurrent attempt holding the event makes the
 //     insert wait, at most the claim wait; a committed marker makes it
-//     insert nothing: a duplicate.
+//     insert nothing: a duplicate. When ride is true this round trip is
+//     held back and sent with the effect's first statement (see claimTx).
 //  2. The effect, through a Tx that refuses Commit and Rollback and dies
 //     when the attempt ends.
 //  3. One round trip: the result into the marker (a HOT update), checked to
@@ -55,40 +56,62 @@ type attempt struct {
 //     reads the committed marker.
 //
 // A first delivery costs the round trips of the bare effect in a
-// transaction (BEGIN ... COMMIT); a duplicate costs two. Nothing in either
-// path raises an error in PostgreSQL. Any error or panic before the commit
-// rolls everything back, the marker included, so the retry applies the
-// effect.
-func (d *Deduper) claim(ctx context.Context, m *marker, fn applyFunc) (a attempt, err error) {
+// transaction (BEGIN ... COMMIT), one fewer when the claim rides; a
+// duplicate costs two. Nothing in either path raises an error in
+// PostgreSQL. Any error or panic before the commit rolls everything back,
+// the marker included, so the retry applies the effect.
+func (d *Deduper) claim(ctx context.Context, m *marker, ride bool, fn applyFunc) (a attempt, err error) {
 	a.outcome = OutcomeError
-	start := time.Now()
-	conn, inner, claimed, err := d.begin(ctx, m)
-	a.claimWait = time.Since(start)
-	if err != nil {
-		if errors.Is(err, ErrClaimTimeout) {
-			a.outcome = OutcomeClaimTimeout
+	tx := &claimTx{d: d, m: m, ctx: ctx, start: time.Now(), wait: claimWait(ctx, d.opts.ClaimWait)}
+	if tx.pc, err = d.pool.Acquire(ctx); err != nil {
+		a.claimWait = time.Since(tx.start)
+		return a, fmt.Errorf("dedupactivity: acquire connection: %w", err)
+	}
+	tx.conn = tx.pc.Conn()
+	defer func() {
+		if tx.pc != nil {
+			release(ctx, tx.pc)
 		}
-		return a, err
+	}()
+	if !ride || d.afterClaim != nil {
+		_, _ = tx.send(ctx, nil) // the outcome is in tx.claimErr
 	}
-	defer release(ctx, conn)
-	if !claimed {
-		return d.duplicate(ctx, conn.Conn(), m, a)
+	if tx.sent && tx.claimErr != nil {
+		return d.claimFailed(ctx, tx, a)
 	}
-
-	tx := &claimTx{conn: conn.Conn(), inner: inner}
 	if d.afterClaim != nil {
 		if err := d.afterClaim(ctx, tx); err != nil {
 			return a, fmt.Errorf("dedupactivity: after claim: %w", err)
 		}
 	}
+
 	effectStart := time.Now()
-	a.ranEffect = true
 	a.outcome = OutcomeEffectError // until the effect returns cleanly
-	result, err := func() ([]byte, error) {
+	result, err := func() (_ []byte, err error) {
 		defer tx.close()
+		defer func() {
+			// A statement of the effect returned the failed claim's error
+			// (a duplicate, a claim timeout) and the effect panicked on it:
+			// the claim's outcome stands.
+			if tx.sent && tx.claimErr != nil {
+				if r := recover(); r != nil {
+					err = tx.claimErr
+				}
+			}
+		}()
 		return fn(ctx, tx)
 	}()
 	a.effectTime = time.Since(effectStart)
+	tx.closeRide()
+	if !tx.sent {
+		_, _ = tx.send(ctx, nil) // the effect sent no statement
+	}
+	if tx.claimErr != nil {
+		// Whatever the effect did went to a transaction that is rolled back.
+		return d.claimFailed(ctx, tx, a)
+	}
+	a.claimWait = tx.took
+	a.ranEffect = true
 	if err != nil {
 		if errors.Is(err, ErrTxOwned) {
 			// Not the effect's own failure: a misuse, reported as such.
@@ -101,51 +124,77 @@ func (d *Deduper) claim(ctx context.Context, m *marker, fn applyFunc) (a attempt
 		return a, err
 	}
 	a.outcome = OutcomeError
-	switch conn.Conn().PgConn().TxStatus() {
+	switch tx.conn.PgConn().TxStatus() {
 	case 'I':
-		return a, d.endedByEffect(ctx, conn.Conn(), m)
+		return a, d.endedByEffect(ctx, tx.conn, m)
 	case 'E':
 		return a, errors.New("dedupactivity: a statement of the effect failed but the effect returned no error; all was rolled back")
 	}
 	m.result = result
-	if err := d.commit(ctx, conn.Conn(), m); err != nil {
+	if err := d.commit(ctx, tx.conn, m); err != nil {
 		return a, err
 	}
 	a.outcome, a.result = OutcomeClaimed, result
 	return a, nil
 }
 
-// begin acquires a connection and sends the claim's first round trip. On
-// success the connection is inside the claim transaction; claimed says
-// whether this attempt inserted the marker.
-func (d *Deduper) begin(ctx context.Context, m *marker) (*pgxpool.Conn, pgx.Tx, bool, error) {
-	wait := claimWait(ctx, d.opts.ClaimWait)
+// claimFailed finishes a delivery whose claim found the event applied (a
+// duplicate) or failed.
+func (d *Deduper) claimFailed(ctx context.Context, tx *claimTx, a attempt) (attempt, error) {
+	a.claimWait = tx.took
+	if errors.Is(tx.claimErr, errDuplicate) {
+		return d.duplicate(ctx, tx.conn, tx.m, a)
+	}
+	a.outcome = OutcomeError
+	if errors.Is(tx.claimErr, ErrClaimTimeout) {
+		a.outcome = OutcomeClaimTimeout
+	}
+	return a, tx.claimErr
+}
+
+// sendClaim sends the claim's first round trip on tx's connection: BEGIN,
+// the claim statement and, when q is not nil, the effect's first statement
+// q behind them. claimed says whether this attempt inserted the marker; when
+// it did and q was sent, br is positioned at q's result and the caller reads
+// and closes it. A connection that broke before the claim was read (a server
+// restart, a backend killed while the connection sat idle in the pool) is
+// replaced and the round trip sent once more: nothing of it committed.
+func (d *Deduper) sendClaim(ctx context.Context, tx *claimTx, q *pgx.QueuedQuery) (br pgx.BatchResults, claimed bool, err error) {
 	for try := 1; ; try++ {
-		conn, err := d.pool.Acquire(ctx)
-		if err != nil {
-			return nil, nil, false, fmt.Errorf("dedupactivity: acquire connection: %w", err)
-		}
 		b := &pgx.Batch{}
 		b.BeginTx(pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
-		d.store.queueClaim(b, m, wait)
-		br := conn.SendBatch(ctx, b)
+		d.store.queueClaim(b, tx.m, tx.wait)
+		if q != nil {
+			// A copy each time: pgx keeps the statement it prepared for a
+			// queued query on the query, and that was the broken connection's.
+			b.QueuedQueries = append(b.QueuedQueries, &pgx.QueuedQuery{SQL: q.SQL, Arguments: q.Arguments})
+		}
+		br = tx.conn.SendBatch(ctx, b)
 		_, err = br.Exec()
-		claimed := false
 		if err == nil {
-			claimed, err = d.store.readClaim(br, m)
-		}
-		if cerr := br.Close(); err == nil {
-			err = cerr
+			claimed, err = d.store.readClaim(br, tx.m)
 		}
 		if err == nil {
-			return conn, br.Tx(), claimed, nil
+			tx.inner = br.Tx()
+			if claimed && q != nil {
+				return br, true, nil
+			}
+			// Without q, or on a duplicate: q ran in a transaction that is
+			// rolled back, and its outcome does not matter.
+			if cerr := br.Close(); cerr != nil && claimed {
+				return nil, false, fmt.Errorf("dedupactivity: claim: %w", interpretError(cerr, true))
+			}
+			return nil, claimed, nil
 		}
-		broken := conn.Conn().IsClosed()
-		release(ctx, conn)
-		// This round trip never commits, so if the connection broke under
-		// it (a server restart, or a backend killed while the connection
-		// sat idle in the pool) nothing happened: try once more.
-		if broken && try == 1 && ctx.Err() == nil {
+		_ = br.Close()
+		if tx.conn.IsClosed() && try == 1 && ctx.Err() == nil {
+			release(ctx, tx.pc)
+			tx.pc = nil
+			pc, err := d.pool.Acquire(ctx)
+			if err != nil {
+				return nil, false, fmt.Errorf("dedupactivity: acquire connection: %w", err)
+			}
+			tx.pc, tx.conn = pc, pc.Conn()
 			continue
 		}
 		err = interpretError(err, true)
@@ -153,7 +202,7 @@ func (d *Deduper) begin(ctx context.Context, m *marker) (*pgxpool.Conn, pgx.Tx, 
 			// The caller's deadline came before the claim wait ran out.
 			err = fmt.Errorf("%w (the caller's deadline came first): %w", ErrClaimTimeout, err)
 		}
-		return nil, nil, false, fmt.Errorf("dedupactivity: claim: %w", err)
+		return nil, false, fmt.Errorf("dedupactivity: claim: %w", err)
 	}
 }
 

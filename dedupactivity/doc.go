@@ -37,6 +37,18 @@
 // attempt with a non-retryable ApplicationError of type
 // ErrTypePayloadMismatch; MismatchReturnStored returns the stored result.
 //
+// # Round trips
+//
+// A first delivery costs the round trips of the bare effect in a
+// transaction, and a duplicate two. When the delivery is almost surely new
+// (the first attempt of a regular or standalone activity's run-scoped
+// identity, or Do with such an identity), the claim is sent with the
+// effect's first statement, one round trip fewer than the bare effect;
+// retries, business keys and local activities claim before the effect
+// runs. A duplicate among the riding deliveries (after an operator reset an
+// activity) runs the effect's first statement in a transaction that is
+// rolled back, and that call returns an error; see EffectFunc.
+//
 // # Example
 //
 //	d, err := dedupactivity.New(pool, dedupactivity.Options{})

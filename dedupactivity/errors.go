@@ -80,6 +80,12 @@ var (
 	ErrInvalidOptions = errors.New("dedupactivity: invalid options")
 )
 
+// errDuplicate is what the effect's first statement returns when the claim
+// sent with it finds the event applied (see claimTx). The delivery is then a
+// duplicate: whatever the effect does or returns after it is rolled back
+// and ignored, and the delivery returns the stored result.
+var errDuplicate = errors.New("dedupactivity: this delivery is a duplicate (the event was applied by an earlier attempt): its statements are rolled back and it returns the stored result; return any error")
+
 // Temporal ApplicationError types used at the activity edge. Workflows can
 // match them with temporal.ApplicationError.Type() or list them in
 // RetryPolicy.NonRetryableErrorTypes.

@@ -17,3 +17,11 @@ func Fingerprint(in any) ([]byte, error) { return fingerprint(in) }
 
 // PruneActivityName exposes the name of d's prune activity.
 func PruneActivityName(d *Deduper) string { return d.pruneActivityName() }
+
+// ErrDuplicate is what an effect's first statement returns when the claim
+// that rode with it found the event applied.
+var ErrDuplicate = errDuplicate
+
+// MayRide exposes whether a delivery's claim may ride with its effect's
+// first statement.
+var MayRide = mayRide

@@ -29,10 +29,13 @@ type Posting struct {
 }
 
 type testBundle struct {
-	schema  *pgtest.Schema
-	pool    *pgxpool.Pool
-	d       *dedupactivity.Deduper
-	effects atomic.Int64 // how many times the effect body ran
+	schema *pgtest.Schema
+	pool   *pgxpool.Pool
+	d      *dedupactivity.Deduper
+	// effects counts effect bodies that got past their first statement. On
+	// a duplicate whose claim rode with that statement (see
+	// TestDuplicateWhoseClaimRode) the statement fails, rolled back.
+	effects atomic.Int64
 }
 
 // setup gives the test its own schema with a migrated marker table and a
@@ -59,11 +62,11 @@ INSERT INTO account (id) VALUES ('a'), ('b');`)
 
 // post is the effect: one ledger row and a balance update, through tx.
 func (b *testBundle) post(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
-	b.effects.Add(1)
 	var p Posting
 	if err := tx.QueryRow(ctx, `INSERT INTO ledger (account, amount) VALUES ($1, $2) RETURNING id`, in.Account, in.Amount).Scan(&p.EntryID); err != nil {
 		return p, err
 	}
+	b.effects.Add(1)
 	err := tx.QueryRow(ctx, `UPDATE account SET balance = balance + $2 WHERE id = $1 RETURNING balance`, in.Account, in.Amount).Scan(&p.Balance)
 	return p, err
 }

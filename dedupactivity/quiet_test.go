@@ -100,33 +100,41 @@ func TestNoErrorsAsControlFlow(t *testing.T) {
 		d, err := dedupactivity.New(pool, opts)
 		require.NoError(t, err)
 		require.NoError(t, d.Migrate(ctx))
-		id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "k"}
-		in := Transfer{Account: "a", Amount: 1}
-		var wg sync.WaitGroup
-		outcomes := make([]dedupactivity.Outcome, 2)
-		for i := range 2 { // at once: one claims, the other waits and is a duplicate
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				var err error
-				_, outcomes[i], err = dedupactivity.Do(ctx, d, id, in, post)
-				assert.NoError(t, err)
-			}()
+		// A business key claims first; a run-scoped identity's claim rides
+		// with the effect's first statement.
+		for _, id := range []dedupactivity.Identity{
+			{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "k"},
+			{Kind: dedupactivity.KindActivity, Namespace: "default", WorkflowID: "w", RunID: "r", ActivityID: "1"},
+		} {
+			in := Transfer{Account: "a", Amount: 1}
+			var wg sync.WaitGroup
+			outcomes := make([]dedupactivity.Outcome, 2)
+			for i := range 2 { // at once: one claims, the other waits and is a duplicate
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					var err error
+					_, outcomes[i], err = dedupactivity.Do(ctx, d, id, in, post)
+					assert.NoError(t, err)
+				}()
+			}
+			wg.Wait()
+			require.ElementsMatch(t, []dedupactivity.Outcome{dedupactivity.OutcomeClaimed, dedupactivity.OutcomeDuplicate}, outcomes)
+			_, outcome, err := dedupactivity.Do(ctx, d, id, in, post)
+			require.NoError(t, err)
+			require.Equal(t, dedupactivity.OutcomeDuplicate, outcome)
+			if id.Kind == dedupactivity.KindBusinessKey { // run-scoped inputs are not compared
+				_, outcome, _ = dedupactivity.Do(ctx, d, id, Transfer{Account: "a", Amount: 2}, post)
+				require.Equal(t, dedupactivity.OutcomePayloadMismatch, outcome)
+			}
 		}
-		wg.Wait()
-		require.ElementsMatch(t, []dedupactivity.Outcome{dedupactivity.OutcomeClaimed, dedupactivity.OutcomeDuplicate}, outcomes)
-		_, outcome, err := dedupactivity.Do(ctx, d, id, in, post)
-		require.NoError(t, err)
-		require.Equal(t, dedupactivity.OutcomeDuplicate, outcome)
-		_, outcome, _ = dedupactivity.Do(ctx, d, id, Transfer{Account: "a", Amount: 2}, post)
-		require.Equal(t, dedupactivity.OutcomePayloadMismatch, outcome)
 		_, err = d.Prune(ctx)
 		require.NoError(t, err)
 	}
 
 	var ledger int
 	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM ledger`).Scan(&ledger))
-	require.Equal(t, 3, ledger, "one effect per table")
+	require.Equal(t, 6, ledger, "one effect per table and identity")
 	require.Empty(t, tracer.errors, "no statement failed")
 	for _, fragment := range []string{`INSERT INTO "dedup_marker"`, `UPDATE "dedup_marker" SET result`, `FROM "dedup_marker" WHERE id_hash`} {
 		require.True(t, tracer.saw(fragment), "the tracer saw %s", fragment)

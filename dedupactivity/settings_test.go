@@ -154,32 +154,40 @@ func TestStatementTimeoutShorterThanClaimWait(t *testing.T) {
 
 // TestConnectionDiedWhileIdle: a pooled connection whose backend died while
 // it sat idle does not fail the attempt: the claim's first round trip never
-// commits, so it is sent again on a new connection.
+// commits, so it is sent again on a new connection, also when the claim
+// rides with the effect's first statement.
 func TestConnectionDiedWhileIdle(t *testing.T) {
 	t.Parallel()
-	b := setup(t, dedupactivity.Options{})
-	ctx := context.Background()
-	cfg, err := pgxpool.ParseConfig(b.schema.URL)
-	require.NoError(t, err)
-	cfg.MaxConns = 1
-	cfg.ShouldPing = func(context.Context, pgxpool.ShouldPingParams) bool { return false } // no liveness check on acquire
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	require.NoError(t, err)
-	defer pool.Close()
-	d, err := dedupactivity.New(pool, dedupactivity.Options{})
-	require.NoError(t, err)
+	for name, id := range map[string]dedupactivity.Identity{
+		"ClaimFirst": {Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "idle"},
+		"ClaimRides": {Kind: dedupactivity.KindActivity, Namespace: "default", WorkflowID: "w", RunID: "r", ActivityID: "1"},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, dedupactivity.Options{})
+			ctx := context.Background()
+			cfg, err := pgxpool.ParseConfig(b.schema.URL)
+			require.NoError(t, err)
+			cfg.MaxConns = 1
+			cfg.ShouldPing = func(context.Context, pgxpool.ShouldPingParams) bool { return false } // no liveness check on acquire
+			pool, err := pgxpool.NewWithConfig(ctx, cfg)
+			require.NoError(t, err)
+			defer pool.Close()
+			d, err := dedupactivity.New(pool, dedupactivity.Options{})
+			require.NoError(t, err)
 
-	var pid uint32
-	require.NoError(t, pool.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid))
-	_, err = b.pool.Exec(ctx, `SELECT pg_terminate_backend($1, 5000)`, pid)
-	require.NoError(t, err)
+			var pid uint32
+			require.NoError(t, pool.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid))
+			_, err = b.pool.Exec(ctx, `SELECT pg_terminate_backend($1, 5000)`, pid)
+			require.NoError(t, err)
 
-	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "idle"}
-	_, outcome, err := dedupactivity.Do(ctx, d, id, Transfer{Account: "a", Amount: 1}, b.post)
-	require.NoError(t, err)
-	require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
-	require.Equal(t, int64(1), b.ledgerRows(t))
-	var now uint32
-	require.NoError(t, pool.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&now))
-	require.NotEqual(t, pid, now, "the dead connection was replaced")
+			_, outcome, err := dedupactivity.Do(ctx, d, id, Transfer{Account: "a", Amount: 1}, b.post)
+			require.NoError(t, err)
+			require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
+			require.Equal(t, int64(1), b.ledgerRows(t))
+			var now uint32
+			require.NoError(t, pool.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&now))
+			require.NotEqual(t, pid, now, "the dead connection was replaced")
+		})
+	}
 }

@@ -41,7 +41,8 @@ const (
 	// not recorded, so no user data reaches the tracing backend.
 	IdentityHashKey = attribute.Key("dedup.identity.hash")
 	// ClaimWaitKey is the time, in seconds, spent claiming the event
-	// (including waiting for another attempt that held it).
+	// (including waiting for another attempt that held it, and, when the
+	// claim rode with the effect's first statement, that statement).
 	ClaimWaitKey = attribute.Key("dedup.claim.wait")
 	// StoredAttemptKey is, on a duplicate, the attempt number that applied
 	// the effect.
@@ -92,7 +93,9 @@ const (
 	// {attempt}.
 	MetricAttempts = "dedup.attempts"
 	// MetricClaimDuration is the time spent claiming an event, in seconds,
-	// with the attributes of MetricAttempts.
+	// with the attributes of MetricAttempts: from the attempt's start to the
+	// claim's answer, which includes the effect's first statement when the
+	// claim rode with it (see Round trips).
 	MetricClaimDuration = "dedup.claim.duration"
 	// MetricEffectDuration is the time the user's effect ran, in seconds,
 	// with the attributes of MetricAttempts.

@@ -4,9 +4,12 @@ import (
 	"context"
 	"fmt"
 	"sync/atomic"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // claimTx is the pgx.Tx an effect runs in. The claim owns the transaction:
@@ -15,21 +18,98 @@ import (
 // outside its event's transaction later (its connection is back in the pool
 // by then, possibly inside another event's transaction). Savepoints (Begin)
 // work as in pgx.
+//
+// The claim's first round trip (BEGIN and the claim statement) may be held
+// back until the effect's first statement, and sent with it: the claim
+// "rides" with that statement, which saves a round trip. Exec, Query and
+// QueryRow with positional arguments ride; any other first call sends the
+// claim on its own first. If the claim finds the event applied, or fails,
+// the statement that rode with it has run in a transaction that is rolled
+// back: the call returns errDuplicate (or the claim's error), and so does
+// every later call.
 type claimTx struct {
+	d      *Deduper
+	m      *marker
+	ctx    context.Context // the attempt's, for the methods that take none
+	pc     *pgxpool.Conn
 	conn   *pgx.Conn
 	inner  pgx.Tx // pgx's own Tx of the claim transaction (Batch.BeginTx)
 	closed atomic.Bool
 	depth  int // savepoints opened so far, for their names
+
+	start    time.Time     // the attempt's start
+	wait     time.Duration // the claim's lock_timeout
+	sent     bool          // the claim's first round trip has been sent
+	claimErr error         // errDuplicate, or why the claim failed
+	took     time.Duration // from start until the claim was read
+	ride     pgx.BatchResults
 }
 
 var _ pgx.Tx = (*claimTx)(nil)
 
 func (t *claimTx) close() { t.closed.Store(true) }
 
+// send sends the claim's first round trip, with q when q is not nil; see
+// Deduper.sendClaim. Its outcome is kept: a duplicate or a failed claim is
+// returned by every later call.
+func (t *claimTx) send(ctx context.Context, q *pgx.QueuedQuery) (pgx.BatchResults, error) {
+	t.sent = true
+	br, claimed, err := t.d.sendClaim(ctx, t, q)
+	t.took = time.Since(t.start)
+	switch {
+	case err != nil:
+		t.claimErr = err
+	case !claimed:
+		t.claimErr = errDuplicate
+	}
+	t.ride = br
+	return br, t.claimErr
+}
+
+// ready sends the claim on its own if it has not been sent, and says
+// whether the transaction can take statements.
+func (t *claimTx) ready(ctx context.Context) error {
+	switch {
+	case t.closed.Load():
+		return pgx.ErrTxClosed
+	case !t.sent:
+		_, err := t.send(ctx, nil)
+		return err
+	}
+	return t.claimErr
+}
+
+// rides says whether a statement with args can carry the claim: it is the
+// first, and its arguments are positional (no QueryExecMode, result format
+// or QueryRewriter option, which a pgx Batch does not take, and not none,
+// with which pgx sends the SQL, perhaps several statements, as a simple
+// query).
+func (t *claimTx) rides(args []any) bool {
+	if t.sent || t.closed.Load() || len(args) == 0 {
+		return false
+	}
+	switch args[0].(type) {
+	case pgx.QueryExecMode, pgx.QueryResultFormats, pgx.QueryResultFormatsByOID, pgx.QueryRewriter:
+		return false
+	}
+	return true
+}
+
+// closeRide closes the batch the first statement rode in, once its result
+// has been read (or when the effect ends, if it left it unread).
+func (t *claimTx) closeRide() error {
+	if t.ride == nil {
+		return nil
+	}
+	br := t.ride
+	t.ride = nil
+	return br.Close()
+}
+
 // Begin starts a savepoint, as pgx's Tx.Begin does.
 func (t *claimTx) Begin(ctx context.Context) (pgx.Tx, error) {
-	if t.closed.Load() {
-		return nil, pgx.ErrTxClosed
+	if err := t.ready(ctx); err != nil {
+		return nil, err
 	}
 	t.depth++
 	sp := &savepoint{root: t, name: fmt.Sprintf("dedupactivity_sp_%d", t.depth)}
@@ -54,63 +134,144 @@ func (t *claimTx) refuse(method string) error {
 
 // CopyFrom runs COPY FROM in the claim transaction.
 func (t *claimTx) CopyFrom(ctx context.Context, table pgx.Identifier, cols []string, src pgx.CopyFromSource) (int64, error) {
-	if t.closed.Load() {
-		return 0, pgx.ErrTxClosed
+	if err := t.ready(ctx); err != nil {
+		return 0, err
 	}
 	return t.conn.CopyFrom(ctx, table, cols, src)
 }
 
 // SendBatch sends a batch in the claim transaction.
 func (t *claimTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
-	if t.closed.Load() {
-		return closedBatch{}
+	if err := t.ready(ctx); err != nil {
+		return errBatch{err}
 	}
 	return t.conn.SendBatch(ctx, b)
 }
 
 // LargeObjects returns large-object access in the claim transaction. Do not
 // keep it past the effect: unlike the Tx, it is not closed with the attempt.
-func (t *claimTx) LargeObjects() pgx.LargeObjects { return t.inner.LargeObjects() }
+// If the claim finds the event applied, or fails, large-object calls fail
+// too (pgx.ErrTxClosed).
+func (t *claimTx) LargeObjects() pgx.LargeObjects {
+	if err := t.ready(t.ctx); err != nil || t.inner == nil {
+		return pgx.LargeObjects{}
+	}
+	return t.inner.LargeObjects()
+}
 
 // Prepare prepares a statement on the claim's connection.
 func (t *claimTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
-	if t.closed.Load() {
-		return nil, pgx.ErrTxClosed
+	if err := t.ready(ctx); err != nil {
+		return nil, err
 	}
 	return t.conn.Prepare(ctx, name, sql)
 }
 
 // Exec runs sql in the claim transaction.
 func (t *claimTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
-	if t.closed.Load() {
-		return pgconn.CommandTag{}, pgx.ErrTxClosed
+	if t.rides(args) {
+		br, err := t.send(ctx, &pgx.QueuedQuery{SQL: sql, Arguments: args})
+		if err != nil {
+			return pgconn.CommandTag{}, err
+		}
+		tag, err := br.Exec()
+		if cerr := t.closeRide(); err == nil {
+			err = cerr
+		}
+		return tag, err
+	}
+	if err := t.ready(ctx); err != nil {
+		return pgconn.CommandTag{}, err
 	}
 	return t.conn.Exec(ctx, sql, args...)
 }
 
 // Query runs sql in the claim transaction.
 func (t *claimTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
-	if t.closed.Load() {
-		return nil, pgx.ErrTxClosed
+	if t.rides(args) {
+		br, err := t.send(ctx, &pgx.QueuedQuery{SQL: sql, Arguments: args})
+		if err != nil {
+			return errRows{err}, err
+		}
+		rows, err := br.Query()
+		return &rideRows{Rows: rows, tx: t}, err
+	}
+	if err := t.ready(ctx); err != nil {
+		return errRows{err}, err
 	}
 	return t.conn.Query(ctx, sql, args...)
 }
 
 // QueryRow runs sql in the claim transaction.
 func (t *claimTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
-	if t.closed.Load() {
-		return closedRow{}
+	if t.rides(args) {
+		br, err := t.send(ctx, &pgx.QueuedQuery{SQL: sql, Arguments: args})
+		if err != nil {
+			return errRows{err}
+		}
+		return rideRow{row: br.QueryRow(), tx: t}
+	}
+	if err := t.ready(ctx); err != nil {
+		return errRows{err}
 	}
 	return t.conn.QueryRow(ctx, sql, args...)
 }
 
-// Conn returns the claim's connection, or nil once the attempt has ended.
-// Statements sent on it directly bypass the checks of this Tx.
+// Conn returns the claim's connection, or nil once the attempt has ended
+// (or when the claim found the event applied, or failed). Statements sent
+// on it directly bypass the checks of this Tx.
 func (t *claimTx) Conn() *pgx.Conn {
-	if t.closed.Load() {
+	if err := t.ready(t.ctx); err != nil {
 		return nil
 	}
 	return t.conn
+}
+
+// rideRows and rideRow read the result of a statement that rode with the
+// claim, and close the batch it came in once read.
+type rideRows struct {
+	pgx.Rows
+	tx       *claimTx
+	closeErr error
+}
+
+func (r *rideRows) Next() bool {
+	if r.Rows.Next() {
+		return true
+	}
+	r.finish()
+	return false
+}
+
+func (r *rideRows) Close() {
+	r.Rows.Close()
+	r.finish()
+}
+
+func (r *rideRows) finish() {
+	if err := r.tx.closeRide(); err != nil && r.closeErr == nil {
+		r.closeErr = err
+	}
+}
+
+func (r *rideRows) Err() error {
+	if err := r.Rows.Err(); err != nil {
+		return err
+	}
+	return r.closeErr
+}
+
+type rideRow struct {
+	row pgx.Row
+	tx  *claimTx
+}
+
+func (r rideRow) Scan(dest ...any) error {
+	err := r.row.Scan(dest...)
+	if cerr := r.tx.closeRide(); err == nil {
+		err = cerr
+	}
+	return err
 }
 
 // savepoint is a savepoint inside the claim transaction. Its Commit releases
@@ -153,7 +314,7 @@ func (s *savepoint) CopyFrom(ctx context.Context, table pgx.Identifier, cols []s
 
 func (s *savepoint) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
 	if !s.live() {
-		return closedBatch{}
+		return errBatch{pgx.ErrTxClosed}
 	}
 	return s.root.SendBatch(ctx, b)
 }
@@ -183,22 +344,32 @@ func (s *savepoint) Query(ctx context.Context, sql string, args ...any) (pgx.Row
 
 func (s *savepoint) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
 	if !s.live() {
-		return closedRow{}
+		return errRows{pgx.ErrTxClosed}
 	}
 	return s.root.QueryRow(ctx, sql, args...)
 }
 
 func (s *savepoint) Conn() *pgx.Conn { return s.root.Conn() }
 
-// closedRow and closedBatch are what a closed claimTx returns.
-type closedRow struct{}
+// errRows and errBatch are what a claimTx that cannot take statements
+// returns: its Rows, Row and BatchResults fail with the reason.
+type errRows struct{ err error }
 
-func (closedRow) Scan(...any) error { return pgx.ErrTxClosed }
+func (r errRows) Close()                                       {}
+func (r errRows) Err() error                                   { return r.err }
+func (r errRows) CommandTag() pgconn.CommandTag                { return pgconn.CommandTag{} }
+func (r errRows) FieldDescriptions() []pgconn.FieldDescription { return nil }
+func (r errRows) Next() bool                                   { return false }
+func (r errRows) Scan(...any) error                            { return r.err }
+func (r errRows) Values() ([]any, error)                       { return nil, r.err }
+func (r errRows) RawValues() [][]byte                          { return nil }
+func (r errRows) Conn() *pgx.Conn                              { return nil }
+func (r errRows) TypeMap() *pgtype.Map                         { return nil }
 
-type closedBatch struct{}
+type errBatch struct{ err error }
 
-func (closedBatch) Exec() (pgconn.CommandTag, error) { return pgconn.CommandTag{}, pgx.ErrTxClosed }
-func (closedBatch) Query() (pgx.Rows, error)         { return nil, pgx.ErrTxClosed }
-func (closedBatch) QueryRow() pgx.Row                { return closedRow{} }
-func (closedBatch) Close() error                     { return pgx.ErrTxClosed }
-func (closedBatch) Tx() pgx.Tx                       { return nil }
+func (b errBatch) Exec() (pgconn.CommandTag, error) { return pgconn.CommandTag{}, b.err }
+func (b errBatch) Query() (pgx.Rows, error)         { return errRows(b), b.err }
+func (b errBatch) QueryRow() pgx.Row                { return errRows(b) }
+func (b errBatch) Close() error                     { return b.err }
+func (b errBatch) Tx() pgx.Tx                       { return nil }

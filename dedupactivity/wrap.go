@@ -15,12 +15,19 @@ import (
 )
 
 // EffectFunc is the user's database effect; it must do all its writes
-// through tx. It runs only in the attempt that claims the event, inside the
-// claim transaction, which the claim owns: tx.Commit and tx.Rollback return
-// ErrTxOwned (return an error to roll back), savepoints (tx.Begin) work, and
-// tx is closed (pgx.ErrTxClosed) once the attempt ends. Do not call
-// external systems (email, payments, HTTP) from it; see the package
-// documentation.
+// through tx. Its writes commit only in the attempt that claims the event,
+// inside the claim transaction, which the claim owns: tx.Commit and
+// tx.Rollback return ErrTxOwned (return an error to roll back), savepoints
+// (tx.Begin) work, and tx is closed (pgx.ErrTxClosed) once the attempt ends.
+//
+// The claim is sent with the effect's first statement when the delivery is
+// almost surely new (the first attempt of a run-scoped identity; see Round
+// trips in the package documentation), which saves a round trip. So on the rare
+// duplicate among those, the effect is called and its first call on tx
+// fails: the delivery is a duplicate, that statement ran in a transaction
+// that is rolled back, and whatever the effect returns (or a panic) is
+// ignored in favour of the stored result. Do not call external systems
+// (email, payments, HTTP) from it; see the package documentation.
 type EffectFunc[In, Out any] func(ctx context.Context, tx pgx.Tx, in In) (Out, error)
 
 // WrapOption configures one wrapped activity.
@@ -219,7 +226,7 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 
 	var claimedOut Out
 	var claimedPayload *commonpb.Payload
-	a, err = w.d.claim(ctx, m, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+	a, err = w.d.claim(ctx, m, mayRide(id, info), func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
 		o, err := w.fn(ctx, tx, in)
 		if err != nil {
 			return nil, effectError{err}
@@ -250,6 +257,18 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 		return out, a, err
 	}
 	return out, a, nil
+}
+
+// mayRide says whether the claim of a delivery may be sent with its effect's
+// first statement, which saves a round trip but runs that statement (rolled
+// back) if the delivery turns out to be a duplicate. It may for the first
+// attempt of a regular or standalone activity's run-scoped identity, which
+// is almost always new: such an identity is delivered again by Temporal's
+// retries (attempt 2 on), or after an operator reset the activity. Retries,
+// business keys (which other workflows may share) and local activities
+// (which a new workflow task may run again from attempt 1) claim first.
+func mayRide(id Identity, info activity.Info) bool {
+	return (id.Kind == KindActivity || id.Kind == KindStandalone) && info.Attempt <= 1
 }
 
 // toTemporal converts this package's errors to Temporal errors at the

@@ -157,12 +157,16 @@ func (b *bench) approaches() []approach {
 			})
 		}},
 		{name: nameByHand, reference: true, deliver: b.byHand},
+		{name: nameByHandFirst, reference: true, deliver: func(ctx context.Context, key string, in posting) (bool, error) {
+			return b.byHandOn(ctx, `"dedup_marker"`, true, key, in)
+		}},
 		{name: nameByHandNoIdx, reference: true, deliver: func(ctx context.Context, key string, in posting) (bool, error) {
 			return b.byHandOn(ctx, `"dedup_noidx"`, true, key, in)
 		}},
 		{name: nameByHandNoWait, reference: true, deliver: func(ctx context.Context, key string, in posting) (bool, error) {
 			return b.byHandOn(ctx, `"dedup_marker"`, false, key, in)
 		}},
+		{name: nameByHandLate, reference: true, deliver: b.byHandLate},
 		{name: nameFloor, reference: true, deliver: b.floor},
 	}
 }

@@ -131,7 +131,7 @@ func run() error {
 
 	fmt.Println("round trips per event ...")
 	for _, a := range approaches {
-		if a.reference || cfg.only != "" {
+		if a.reference && cfg.only == "" {
 			continue
 		}
 		rt, dupRT, err := b.roundTrips(ctx, a)
@@ -166,7 +166,11 @@ func run() error {
 	}
 
 	if cfg.only != "" {
-		// A subset of rows: their throughput and CPU only, to stdout.
+		// A subset of rows: their round trips, throughput and CPU only, to
+		// stdout.
+		for _, rt := range rep.roundTrips {
+			fmt.Printf("%-40s round trips: %d first, %d duplicate\n", rt.approach, rt.first, rt.dup)
+		}
 		for _, c := range rep.cells {
 			server, client := c.cpuPerEvent()
 			fmt.Printf("%-40s %3d %7.0f/s  server %s µs  client %s µs  WAL %s B\n", c.approach, c.conc, c.throughput(), server, client, c.walPerEvent())

@@ -23,8 +23,10 @@ const (
 	nameCheckInsert  = "check-then-insert"
 	nameFloor        = "floor: key insert only"
 	nameByHand       = "by hand: dedupactivity's SQL"
-	nameByHandNoIdx  = "by hand: no expiry index"
-	nameByHandNoWait = "by hand: no claim wait"
+	nameByHandFirst  = "by hand: claim first"
+	nameByHandNoIdx  = "by hand: claim first, no expiry index"
+	nameByHandNoWait = "by hand: claim first, no claim wait"
+	nameByHandLate   = "by hand: marker at commit"
 )
 
 // runScoped is the run-scoped identity of the bench event key: what a
@@ -57,16 +59,23 @@ func (b *bench) seedRecipe(ctx context.Context, key string, in posting) (bool, e
 	return false, tx.Commit(ctx)
 }
 
-// byHand issues dedupactivity's claim SQL (the statements of
-// dedupactivity/store.go, copied) with no Go side around it: no identity
-// encoding, telemetry or result encoding through a DataConverter. Against
-// the dedupactivity row it shows what the library's Go side costs.
-func (b *bench) byHand(ctx context.Context, key string, in posting) (bool, error) {
-	return b.byHandOn(ctx, `"dedup_marker"`, true, key, in)
+// claimSQL is dedupactivity's claim statement on table (copied from
+// dedupactivity/store.go).
+func claimSQL(table string) string {
+	return `INSERT INTO ` + table + ` (id_hash, attempt, expires_at, activity_type, fingerprint, result)
+SELECT $1::bytea, $2::int4, $3::timestamptz, $4::text, $5::bytea, $6::bytea
+FROM (SELECT set_config('dedupactivity.lock_timeout', current_setting('lock_timeout'), true),
+	set_config('lock_timeout', $7, true)) AS claim_wait
+ON CONFLICT DO NOTHING
+RETURNING ctid, pg_current_xact_id()::text, set_config('lock_timeout', current_setting('dedupactivity.lock_timeout'), true)`
 }
 
-// byHandOn is byHand on another marker table, with or without the claim
-// wait (the lock_timeout set and restored inside the insert).
+// byHandOn issues dedupactivity's claim SQL (the statements of
+// dedupactivity/store.go, copied) as a claim that goes before the effect (a
+// retry's or a business key's), with no Go side around it: no identity
+// encoding, telemetry or result encoding through a DataConverter. On
+// another marker table, with or without the claim wait (the lock_timeout set
+// and restored inside the insert), it measures what those cost.
 func (b *bench) byHandOn(ctx context.Context, table string, claimWait bool, key string, in posting) (bool, error) {
 	h := runScoped(key).Hash()
 	conn, err := b.pool.Acquire(ctx)
@@ -77,18 +86,13 @@ func (b *bench) byHandOn(ctx context.Context, table string, claimWait bool, key 
 	batch := &pgx.Batch{}
 	batch.BeginTx(pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
 	if claimWait {
-		batch.Queue(`INSERT INTO `+table+` (id_hash, attempt, expires_at, activity_type, fingerprint, result)
-SELECT $1::bytea, $2::int4, $3::timestamptz, $4::text, $5::bytea, $6::bytea
-FROM (SELECT set_config('dedupactivity.lock_timeout', current_setting('lock_timeout'), true),
-	set_config('lock_timeout', $7, true)) AS claim_wait
-ON CONFLICT DO NOTHING
-RETURNING ctid, set_config('lock_timeout', current_setting('dedupactivity.lock_timeout'), true)`,
+		batch.Queue(claimSQL(table),
 			h[:], int32(1), time.Now().Add(30*24*time.Hour), "Post", nil, nil, "30000ms")
 	} else {
 		batch.Queue(`INSERT INTO `+table+` (id_hash, attempt, expires_at, activity_type, fingerprint, result)
 VALUES ($1, $2, $3, $4, $5, $6)
 ON CONFLICT DO NOTHING
-RETURNING ctid, NULL::text`, h[:], int32(1), time.Now().Add(30*24*time.Hour), "Post", nil, nil)
+RETURNING ctid, NULL::text, NULL::text`, h[:], int32(1), time.Now().Add(30*24*time.Hour), "Post", nil, nil)
 	}
 	br := conn.SendBatch(ctx, batch)
 	tx := br.Tx()
@@ -96,7 +100,7 @@ RETURNING ctid, NULL::text`, h[:], int32(1), time.Now().Add(30*24*time.Hour), "P
 		return false, errors.Join(err, br.Close())
 	}
 	var ctid pgtype.TID
-	if err := br.QueryRow().Scan(&ctid, nil); err != nil {
+	if err := br.QueryRow().Scan(&ctid, nil, nil); err != nil {
 		return false, errors.Join(err, br.Close())
 	}
 	if err := br.Close(); err != nil {
@@ -137,4 +141,95 @@ func (b *bench) floor(ctx context.Context, key string, in posting) (bool, error)
 		return false, err
 	}
 	return false, tx.Commit(ctx)
+}
+
+// byHandLate is a reference for another protocol: BEGIN with a look for a
+// committed marker, the effect, then the marker with its result inserted
+// (no ON CONFLICT: a concurrent attempt's marker fails it) and COMMIT.
+func (b *bench) byHandLate(ctx context.Context, key string, in posting) (bool, error) {
+	h := runScoped(key).Hash()
+	conn, err := b.pool.Acquire(ctx)
+	if err != nil {
+		return false, err
+	}
+	defer conn.Release()
+	batch := &pgx.Batch{}
+	batch.BeginTx(pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+	batch.Queue(`SELECT pg_current_xact_id()::text, m.attempt, encode(m.result, 'hex') FROM (SELECT) AS one LEFT JOIN "dedup_marker" m ON m.id_hash = $1`, h[:])
+	br := conn.SendBatch(ctx, batch)
+	tx := br.Tx()
+	if _, err := br.Exec(); err != nil {
+		return false, errors.Join(err, br.Close())
+	}
+	var xact string
+	var att *int32
+	var res *string
+	if err := br.QueryRow().Scan(&xact, &att, &res); err != nil {
+		return false, errors.Join(err, br.Close())
+	}
+	if err := br.Close(); err != nil {
+		return false, err
+	}
+	if att != nil {
+		return true, tx.Rollback(ctx)
+	}
+	r, err := b.effect(ctx, tx, in)
+	if err != nil {
+		_ = tx.Rollback(ctx)
+		return false, err
+	}
+	batch = &pgx.Batch{}
+	batch.Queue(`INSERT INTO "dedup_marker" (id_hash, attempt, expires_at, activity_type, fingerprint, result)
+SELECT $1::bytea, $2::int4, $3::timestamptz, $4::text, $5::bytea, $6::bytea
+FROM (SELECT set_config('lock_timeout', $7, true)) AS claim_wait
+WHERE pg_current_xact_id() = $8::text::xid8`,
+		h[:], int32(1), time.Now().Add(30*24*time.Hour), "Post", nil, encode(r), "30000ms", xact)
+	batch.Queue("COMMIT")
+	return false, conn.SendBatch(ctx, batch).Close()
+}
+
+// byHand issues dedupactivity's SQL as the dedupactivity row sends it (a
+// run-scoped first attempt: BEGIN and the claim ride with the effect's first
+// statement), with no Go side around it. Against the dedupactivity row it
+// shows what the library's Go side costs.
+func (b *bench) byHand(ctx context.Context, key string, in posting) (bool, error) {
+	h := runScoped(key).Hash()
+	conn, err := b.pool.Acquire(ctx)
+	if err != nil {
+		return false, err
+	}
+	defer conn.Release()
+	batch := &pgx.Batch{}
+	batch.BeginTx(pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+	batch.Queue(claimSQL(`"dedup_marker"`),
+		h[:], int32(1), time.Now().Add(30*24*time.Hour), "Post", nil, nil, "30000ms")
+	var r receipt
+	batch.Queue(`INSERT INTO ledger (event_key, account, amount) VALUES ($1, $2, $3) RETURNING id`, in.Key, in.Account, in.Amount)
+	br := conn.SendBatch(ctx, batch)
+	tx := br.Tx()
+	if _, err := br.Exec(); err != nil {
+		return false, errors.Join(err, br.Close())
+	}
+	var ctid pgtype.TID
+	var xact string
+	if err := br.QueryRow().Scan(&ctid, &xact, nil); errors.Is(err, pgx.ErrNoRows) {
+		_ = br.Close()
+		return true, tx.Rollback(ctx) // a duplicate: the ledger row goes too
+	} else if err != nil {
+		return false, errors.Join(err, br.Close())
+	}
+	if err := br.QueryRow().Scan(&r.EntryID); err != nil {
+		return false, errors.Join(err, br.Close())
+	}
+	if err := br.Close(); err != nil {
+		return false, err
+	}
+	if err := tx.QueryRow(ctx, `UPDATE account SET balance = balance + $2 WHERE id = $1 RETURNING balance`, in.Account, in.Amount).Scan(&r.Balance); err != nil {
+		_ = tx.Rollback(ctx)
+		return false, err
+	}
+	batch = &pgx.Batch{}
+	batch.Queue(`UPDATE "dedup_marker" SET result = $2 WHERE ctid = $1 AND (SELECT pg_current_xact_id() = $3::text::xid8)`, ctid, encode(r), xact)
+	batch.Queue("COMMIT")
+	return false, conn.SendBatch(ctx, batch).Close()
 }

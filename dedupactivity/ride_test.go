@@ -1,0 +1,263 @@
+package dedupactivity_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+	"go.temporal.io/sdk/activity"
+
+	"github.com/dedupactivity/dedupactivity/dedupactivity"
+	"github.com/dedupactivity/dedupactivity/internal/pgtest"
+)
+
+// runScoped is a run-scoped identity outside Temporal: its claim rides with
+// the effect's first statement (Attempt is 0 in Do).
+func runScoped(activityID string) dedupactivity.Identity {
+	return dedupactivity.Identity{Kind: dedupactivity.KindActivity, Namespace: "default", WorkflowID: "w", RunID: "r", ActivityID: activityID}
+}
+
+// countingDeduper is a Deduper on a one-connection pool to b's schema whose
+// client writes (round trips) are counted.
+func countingDeduper(t *testing.T, b *testBundle) (*dedupactivity.Deduper, *atomic.Int64) {
+	t.Helper()
+	var writes atomic.Int64
+	cfg, err := pgxpool.ParseConfig(b.schema.URL)
+	require.NoError(t, err)
+	cfg.MaxConns = 1
+	pgtest.CountRoundTrips(cfg.ConnConfig, &writes)
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	d, err := dedupactivity.New(pool, dedupactivity.Options{})
+	require.NoError(t, err)
+	return d, &writes
+}
+
+// TestEveryFirstCallWorks: whatever the effect calls first, a first delivery
+// applies it once and a duplicate applies nothing and returns the stored
+// result. Statements with positional arguments carry the claim (two round
+// trips in all for a one-statement effect); other calls send the claim on
+// its own first. Either way the first call of a duplicate fails.
+func TestEveryFirstCallWorks(t *testing.T) {
+	t.Parallel()
+	const insert = `INSERT INTO ledger (account, amount) VALUES ($1, $2) RETURNING id`
+	calls := []struct {
+		name  string
+		rides bool
+		call  func(ctx context.Context, tx pgx.Tx) (int64, error)
+	}{
+		{"Exec", true, func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			tag, err := tx.Exec(ctx, insert, "a", 1)
+			return tag.RowsAffected(), err
+		}},
+		{"QueryRow", true, func(ctx context.Context, tx pgx.Tx) (id int64, err error) {
+			return id, tx.QueryRow(ctx, insert, "a", 1).Scan(&id)
+		}},
+		{"Query", true, func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			rows, _ := tx.Query(ctx, insert, "a", 1) // pgx's pattern: the error comes with the rows
+			ids, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+			if err != nil {
+				return 0, err
+			}
+			return ids[0], nil
+		}},
+		{"QueryLeftOpen", true, func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			rows, err := tx.Query(ctx, insert, "a", 1)
+			if err != nil {
+				return 0, err
+			}
+			return 1, rows.Err() // never read nor closed: the claim closes it
+		}},
+		{"ExecWithoutArguments", false, func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			tag, err := tx.Exec(ctx, `INSERT INTO ledger (account, amount) VALUES ('a', 1); SELECT 1`)
+			return tag.RowsAffected(), err
+		}},
+		{"NamedArgs", false, func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			tag, err := tx.Exec(ctx, `INSERT INTO ledger (account, amount) VALUES (@account, @amount)`, pgx.NamedArgs{"account": "a", "amount": 1})
+			return tag.RowsAffected(), err
+		}},
+		{"ExecMode", false, func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			tag, err := tx.Exec(ctx, insert, pgx.QueryExecModeSimpleProtocol, "a", 1)
+			return tag.RowsAffected(), err
+		}},
+		{"Savepoint", false, func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			sp, err := tx.Begin(ctx)
+			if err != nil {
+				return 0, err
+			}
+			if _, err := sp.Exec(ctx, insert, "a", 1); err != nil {
+				return 0, err
+			}
+			return 1, sp.Commit(ctx)
+		}},
+		{"SendBatch", false, func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			b := &pgx.Batch{}
+			b.Queue(insert, "a", 1)
+			return 1, tx.SendBatch(ctx, b).Close()
+		}},
+		{"CopyFrom", false, func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			return tx.CopyFrom(ctx, pgx.Identifier{"ledger"}, []string{"account", "amount"}, pgx.CopyFromRows([][]any{{"a", int64(1)}}))
+		}},
+		{"Prepare", false, func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			if _, err := tx.Prepare(ctx, "ride_insert", insert); err != nil {
+				return 0, err
+			}
+			tag, err := tx.Exec(ctx, "ride_insert", "a", 1)
+			return tag.RowsAffected(), err
+		}},
+		{"Conn", false, func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			tag, err := tx.Conn().Exec(ctx, insert, "a", 1) // on a duplicate Conn is nil: the panic is the claim's
+			return tag.RowsAffected(), err
+		}},
+		{"LargeObjects", false, func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			lo := tx.LargeObjects()
+			if _, err := lo.Create(ctx, 0); err != nil {
+				return 0, err
+			}
+			tag, err := tx.Exec(ctx, insert, "a", 1)
+			return tag.RowsAffected(), err
+		}},
+	}
+	for _, c := range calls {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, dedupactivity.Options{})
+			d, writes := countingDeduper(t, b)
+			ctx := context.Background()
+			var sawDuplicate atomic.Bool
+			fn := func(ctx context.Context, tx pgx.Tx, in Transfer) (int64, error) {
+				n, err := c.call(ctx, tx)
+				if errors.Is(err, dedupactivity.ErrDuplicate) {
+					sawDuplicate.Store(true)
+				}
+				return n, err
+			}
+			// Warm the connection and its statement cache on another event.
+			_, _, err := dedupactivity.Do(ctx, d, runScoped("warm"), Transfer{}, fn)
+			require.NoError(t, err)
+			before := writes.Load()
+			first, outcome, err := dedupactivity.Do(ctx, d, runScoped("1"), Transfer{}, fn)
+			require.NoError(t, err)
+			require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
+			if rt := writes.Load() - before; c.rides {
+				require.Equal(t, int64(2), rt, "BEGIN, claim and the statement; result and COMMIT")
+			} else {
+				require.Greater(t, rt, int64(2), "the claim went on its own")
+			}
+
+			again, outcome, err := dedupactivity.Do(ctx, d, runScoped("1"), Transfer{}, fn)
+			require.NoError(t, err)
+			require.Equal(t, dedupactivity.OutcomeDuplicate, outcome)
+			require.Equal(t, first, again, "the stored result")
+			// The claim is sent when the effect first calls the Tx, so that
+			// call says the delivery is a duplicate (Conn returns nil, and
+			// LargeObjects fail: their panics are the claim's).
+			require.Equal(t, c.name != "Conn" && c.name != "LargeObjects", sawDuplicate.Load(), "the first call of a duplicate returned ErrDuplicate")
+			require.Equal(t, int64(2), b.ledgerRows(t), "one row for each event, none for the duplicate")
+			require.Equal(t, int64(2), b.markers(t))
+		})
+	}
+}
+
+// TestDuplicateWhoseClaimRode: on a duplicate whose claim rode with the
+// effect's first statement, that statement returns ErrDuplicate; whatever
+// the effect then does (returns the error, ignores it, panics on it) is
+// rolled back and ignored, and the delivery returns the stored result.
+func TestDuplicateWhoseClaimRode(t *testing.T) {
+	t.Parallel()
+	for _, then := range []string{"ReturnsTheError", "IgnoresIt", "Panics", "WritesOn"} {
+		t.Run(then, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, dedupactivity.Options{})
+			var seen []error
+			fn := dedupactivity.Wrap(b.d, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+				p, err := b.post(ctx, tx, in)
+				if err == nil {
+					return p, nil
+				}
+				seen = append(seen, err)
+				switch then {
+				case "IgnoresIt":
+					return Posting{EntryID: -1}, nil
+				case "Panics":
+					panic(err)
+				case "WritesOn":
+					_, err2 := tx.Exec(ctx, `INSERT INTO ledger (account, amount) VALUES ($1, $2)`, "b", 100)
+					seen = append(seen, err2)
+					return Posting{EntryID: -1}, nil
+				}
+				return p, err
+			})
+			in := Transfer{Account: "a", Amount: 4}
+			first, err := deliver(t, "Post", fn, in) // attempt 1 of a run-scoped identity: the claim rides
+			require.NoError(t, err)
+			again, err := deliver(t, "Post", fn, in)
+			require.NoError(t, err)
+			require.Equal(t, first, again, "the stored result")
+			require.NotEmpty(t, seen)
+			for _, err := range seen {
+				require.ErrorIs(t, err, dedupactivity.ErrDuplicate)
+			}
+			require.Equal(t, int64(1), b.ledgerRows(t))
+			require.Equal(t, int64(4), b.count(t, `SELECT sum(balance) FROM account`))
+		})
+	}
+}
+
+// TestClaimTimeoutWhileRiding: a claim that rides with the effect's first
+// statement and waits past the claim wait for another attempt fails that
+// statement with ErrClaimTimeout, and the delivery with it.
+func TestClaimTimeoutWhileRiding(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	holding, release := holdFirstClaim(t, b) // b.d claims first: it has a hook
+	rider, err := dedupactivity.New(b.pool, dedupactivity.Options{ClaimWait: 300 * time.Millisecond})
+	require.NoError(t, err)
+	in := Transfer{Account: "a", Amount: 2}
+	holder := make(chan error, 1)
+	go func() { _, err := deliver(t, "Post", dedupactivity.Wrap(b.d, b.post), in); holder <- err }()
+	<-holding
+
+	var seen error
+	_, err = deliver(t, "Post", dedupactivity.Wrap(rider, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+		p, err := b.post(ctx, tx, in)
+		seen = err
+		return p, err
+	}), in)
+	require.ErrorIs(t, err, dedupactivity.ErrClaimTimeout)
+	require.ErrorIs(t, seen, dedupactivity.ErrClaimTimeout, "the statement the claim rode with")
+	release()
+	require.NoError(t, <-holder)
+	require.Equal(t, int64(1), b.ledgerRows(t))
+}
+
+// TestWhichClaimsRide: only first attempts of regular and standalone
+// activities' run-scoped identities ride; retries, business keys and local
+// activities claim first.
+func TestWhichClaimsRide(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		kind    dedupactivity.Kind
+		attempt int32
+		rides   bool
+	}{
+		{dedupactivity.KindActivity, 0, true}, // Do outside an activity
+		{dedupactivity.KindActivity, 1, true},
+		{dedupactivity.KindActivity, 2, false},
+		{dedupactivity.KindStandalone, 1, true},
+		{dedupactivity.KindStandalone, 3, false},
+		{dedupactivity.KindLocalActivity, 1, false},
+		{dedupactivity.KindBusinessKey, 0, false},
+		{dedupactivity.KindBusinessKey, 1, false},
+	} {
+		got := dedupactivity.MayRide(dedupactivity.Identity{Kind: c.kind}, activity.Info{Attempt: c.attempt})
+		require.Equal(t, c.rides, got, fmt.Sprintf("%s, attempt %d", c.kind, c.attempt))
+	}
+}
