@@ -40,14 +40,14 @@ type attempt struct {
 	result        []byte // the encoded result returned: new, or stored
 }
 
-// claim runs one delivery of the event m on a pooled connection:
+// claim runs one delivery of the event m on a pooled connection, in one
+// READ COMMITTED transaction:
 //
-//  1. One round trip: BEGIN (READ COMMITTED) and the claim statement, which
-//     inserts the marker key (ON CONFLICT DO NOTHING) under the claim wait
-//     as its lock_timeout. A concurrent attempt holding the event makes the
-//     insert wait, at most the claim wait; a committed marker makes it
-//     insert nothing: a duplicate. When ride is true this round trip is
-//     held back and sent with the effect's first statement (see claimTx).
+//  1. One round trip: BEGIN and the claim statement, which inserts the
+//     marker's key (ON CONFLICT DO NOTHING) under the claim wait as its
+//     lock_timeout. A concurrent attempt holding the event makes the insert
+//     wait, at most the claim wait; a committed marker makes it insert
+//     nothing: a duplicate.
 //  2. The effect, through a Tx that refuses Commit and Rollback and dies
 //     when the attempt ends.
 //  3. One round trip: the result into the marker (a HOT update), checked to
@@ -55,14 +55,22 @@ type attempt struct {
 //  4. Duplicate: one round trip that rolls back (nothing was written) and
 //     reads the committed marker.
 //
+// When ride is true (see mayRide), step 1 is held back and sent with the
+// effect's first statement, as a look for a committed marker instead of the
+// insert, and step 3 inserts the whole marker with COMMIT (see claimTx): a
+// concurrent attempt that committed the marker first makes that insert
+// fail, and this delivery is a duplicate.
+//
 // A first delivery costs the round trips of the bare effect in a
-// transaction (BEGIN ... COMMIT), one fewer when the claim rides; a
-// duplicate costs two. Nothing in either path raises an error in
-// PostgreSQL. Any error or panic before the commit rolls everything back,
-// the marker included, so the retry applies the effect.
+// transaction, one fewer when the claim rides; a duplicate costs two.
+// Nothing in these paths raises an error in PostgreSQL, except the insert
+// with COMMIT when a concurrent attempt of a riding delivery won, which
+// Temporal does not do on its own (see mayRide). Any error or panic before
+// the commit rolls everything back, the marker included, so the retry
+// applies the effect.
 func (d *Deduper) claim(ctx context.Context, m *marker, ride bool, fn applyFunc) (a attempt, err error) {
 	a.outcome = OutcomeError
-	tx := &claimTx{d: d, m: m, ctx: ctx, start: time.Now(), wait: claimWait(ctx, d.opts.ClaimWait)}
+	tx := &claimTx{d: d, m: m, ctx: ctx, start: time.Now(), ride: ride && !d.simpleProtocol}
 	if tx.pc, err = d.pool.Acquire(ctx); err != nil {
 		a.claimWait = time.Since(tx.start)
 		return a, fmt.Errorf("dedupactivity: acquire connection: %w", err)
@@ -73,10 +81,10 @@ func (d *Deduper) claim(ctx context.Context, m *marker, ride bool, fn applyFunc)
 			release(ctx, tx.pc)
 		}
 	}()
-	if !ride || d.afterClaim != nil {
+	if !tx.ride || d.afterClaim != nil {
 		_, _ = tx.send(ctx, nil) // the outcome is in tx.claimErr
 	}
-	if tx.sent && tx.claimErr != nil {
+	if tx.claimErr != nil {
 		return d.claimFailed(ctx, tx, a)
 	}
 	if d.afterClaim != nil {
@@ -89,11 +97,12 @@ func (d *Deduper) claim(ctx context.Context, m *marker, ride bool, fn applyFunc)
 	a.outcome = OutcomeEffectError // until the effect returns cleanly
 	result, err := func() (_ []byte, err error) {
 		defer tx.close()
+		defer tx.closeOpen() // also on a panic, so the connection can be rolled back and reused
 		defer func() {
 			// A statement of the effect returned the failed claim's error
 			// (a duplicate, a claim timeout) and the effect panicked on it:
 			// the claim's outcome stands.
-			if tx.sent && tx.claimErr != nil {
+			if tx.claimErr != nil {
 				if r := recover(); r != nil {
 					err = tx.claimErr
 				}
@@ -102,8 +111,7 @@ func (d *Deduper) claim(ctx context.Context, m *marker, ride bool, fn applyFunc)
 		return fn(ctx, tx)
 	}()
 	a.effectTime = time.Since(effectStart)
-	tx.closeRide()
-	if !tx.sent {
+	if tx.state == stateNone {
 		_, _ = tx.send(ctx, nil) // the effect sent no statement
 	}
 	if tx.claimErr != nil {
@@ -126,12 +134,28 @@ func (d *Deduper) claim(ctx context.Context, m *marker, ride bool, fn applyFunc)
 	a.outcome = OutcomeError
 	switch tx.conn.PgConn().TxStatus() {
 	case 'I':
+		if tx.state == stateLooked {
+			// Only statements with bind parameters ran, which cannot end a
+			// transaction; should one have, say so loudly.
+			return a, fmt.Errorf("%w: the transaction ended before the marker was written; what the effect committed is not marked", ErrTxEnded)
+		}
 		return a, d.endedByEffect(ctx, tx.conn, m)
 	case 'E':
 		return a, errors.New("dedupactivity: a statement of the effect failed but the effect returned no error; all was rolled back")
 	}
 	m.result = result
-	if err := d.commit(ctx, tx.conn, m); err != nil {
+	if tx.state == stateLooked {
+		err = d.commitLast(ctx, tx.conn, m)
+	} else {
+		err = d.commit(ctx, tx.conn, m)
+	}
+	switch {
+	case errors.Is(err, errDuplicate):
+		return d.duplicate(ctx, tx.conn, m, a)
+	case errors.Is(err, ErrClaimTimeout):
+		a.outcome = OutcomeClaimTimeout
+		return a, err
+	case err != nil:
 		return a, err
 	}
 	a.outcome, a.result = OutcomeClaimed, result
@@ -141,7 +165,7 @@ func (d *Deduper) claim(ctx context.Context, m *marker, ride bool, fn applyFunc)
 // claimFailed finishes a delivery whose claim found the event applied (a
 // duplicate) or failed.
 func (d *Deduper) claimFailed(ctx context.Context, tx *claimTx, a attempt) (attempt, error) {
-	a.claimWait = tx.took
+	a.claimWait, a.outcome = tx.took, OutcomeError
 	if errors.Is(tx.claimErr, errDuplicate) {
 		return d.duplicate(ctx, tx.conn, tx.m, a)
 	}
@@ -152,18 +176,26 @@ func (d *Deduper) claimFailed(ctx context.Context, tx *claimTx, a attempt) (atte
 	return a, tx.claimErr
 }
 
-// sendClaim sends the claim's first round trip on tx's connection: BEGIN,
-// the claim statement and, when q is not nil, the effect's first statement
-// q behind them. claimed says whether this attempt inserted the marker; when
-// it did and q was sent, br is positioned at q's result and the caller reads
-// and closes it. A connection that broke before the claim was read (a server
-// restart, a backend killed while the connection sat idle in the pool) is
-// replaced and the round trip sent once more: nothing of it committed.
-func (d *Deduper) sendClaim(ctx context.Context, tx *claimTx, q *pgx.QueuedQuery) (br pgx.BatchResults, claimed bool, err error) {
+// sendClaim sends the claim's first round trip on tx's connection: BEGIN
+// and the claim statement, or, when q (the effect's first statement) is not
+// nil, BEGIN, the look for a committed marker and q. ok says whether the
+// event is this attempt's: the claim inserted the marker's key (m.ctid and
+// m.xact are set), or the look found no committed marker. When ok and q was
+// sent, br is positioned at q's result and the caller reads and closes it.
+// If pgx refuses q before it sends anything, the error is errNotRidden. A
+// connection that broke before the claim was read (a server restart, a
+// backend killed while the connection sat idle in the pool) is replaced and
+// the round trip sent once more: nothing of it committed.
+func (d *Deduper) sendClaim(ctx context.Context, tx *claimTx, q *pgx.QueuedQuery) (br pgx.BatchResults, ok bool, err error) {
+	look := q != nil
 	for try := 1; ; try++ {
 		b := &pgx.Batch{}
 		b.BeginTx(pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
-		d.store.queueClaim(b, tx.m, tx.wait)
+		if look {
+			d.store.queueLook(b, tx.m)
+		} else {
+			d.store.queueClaim(b, tx.m, claimWait(ctx, d.opts.ClaimWait))
+		}
 		if q != nil {
 			// A copy each time: pgx keeps the statement it prepared for a
 			// queued query on the query, and that was the broken connection's.
@@ -172,38 +204,104 @@ func (d *Deduper) sendClaim(ctx context.Context, tx *claimTx, q *pgx.QueuedQuery
 		br = tx.conn.SendBatch(ctx, b)
 		_, err = br.Exec()
 		if err == nil {
-			claimed, err = d.store.readClaim(br, tx.m)
+			if look {
+				var found bool
+				found, err = readLook(br)
+				ok = !found
+			} else {
+				ok, err = d.store.readClaim(br, tx.m)
+			}
 		}
 		if err == nil {
 			tx.inner = br.Tx()
-			if claimed && q != nil {
+			if ok && q != nil {
 				return br, true, nil
 			}
 			// Without q, or on a duplicate: q ran in a transaction that is
 			// rolled back, and its outcome does not matter.
-			if cerr := br.Close(); cerr != nil && claimed {
+			if cerr := br.Close(); cerr != nil && ok {
 				return nil, false, fmt.Errorf("dedupactivity: claim: %w", interpretError(cerr, true))
 			}
-			return nil, claimed, nil
+			return nil, ok, nil
 		}
 		_ = br.Close()
-		if tx.conn.IsClosed() && try == 1 && ctx.Err() == nil {
-			release(ctx, tx.pc)
-			tx.pc = nil
-			pc, err := d.pool.Acquire(ctx)
-			if err != nil {
-				return nil, false, fmt.Errorf("dedupactivity: acquire connection: %w", err)
+		if pe := (pgx.ErrPreprocessingBatch{}); look && errors.As(err, &pe) && pe.SQL() == q.SQL {
+			// pgx could not prepare q or encode its arguments, and ran
+			// nothing: q's error is the effect's, not the claim's. (pgx
+			// may have closed the connection doing so.)
+			if tx.conn.IsClosed() {
+				if err := d.replaceConn(ctx, tx); err != nil {
+					return nil, false, err
+				}
 			}
-			tx.pc, tx.conn = pc, pc.Conn()
+			return nil, false, errNotRidden
+		}
+		if tx.conn.IsClosed() && try == 1 && ctx.Err() == nil {
+			if err := d.replaceConn(ctx, tx); err != nil {
+				return nil, false, err
+			}
 			continue
 		}
-		err = interpretError(err, true)
-		if _, _, known := classify(err); !known && errors.Is(ctx.Err(), context.DeadlineExceeded) {
-			// The caller's deadline came before the claim wait ran out.
-			err = fmt.Errorf("%w (the caller's deadline came first): %w", ErrClaimTimeout, err)
-		}
-		return nil, false, fmt.Errorf("dedupactivity: claim: %w", err)
+		return nil, false, claimError(ctx, err)
 	}
+}
+
+// replaceConn gives tx a new pooled connection for its broken one, before
+// anything of the attempt was committed or is pending on it.
+func (d *Deduper) replaceConn(ctx context.Context, tx *claimTx) error {
+	release(ctx, tx.pc)
+	tx.pc = nil
+	pc, err := d.pool.Acquire(ctx)
+	if err != nil {
+		return fmt.Errorf("dedupactivity: acquire connection: %w", err)
+	}
+	tx.pc, tx.conn = pc, pc.Conn()
+	return nil
+}
+
+// claimKey inserts the marker's key in a transaction that began with a
+// look, before a call that might end the transaction; ok is false when the
+// marker was committed meanwhile (a duplicate).
+func (d *Deduper) claimKey(ctx context.Context, tx *claimTx) (ok bool, err error) {
+	b := &pgx.Batch{}
+	d.store.queueClaim(b, tx.m, claimWait(ctx, d.opts.ClaimWait))
+	br := tx.conn.SendBatch(ctx, b)
+	ok, err = d.store.readClaim(br, tx.m)
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return false, claimError(ctx, err)
+	}
+	return ok, nil
+}
+
+// claimError is the error of a claim statement that failed.
+func claimError(ctx context.Context, err error) error {
+	err = interpretError(err, true)
+	if _, _, known := classify(err); !known && errors.Is(ctx.Err(), context.DeadlineExceeded) {
+		// The caller's deadline came before the claim wait ran out.
+		err = fmt.Errorf("%w (the caller's deadline came first): %w", ErrClaimTimeout, err)
+	}
+	return fmt.Errorf("dedupactivity: claim: %w", err)
+}
+
+// commitLast inserts the whole marker m and commits, in one round trip, for
+// a claim that went as a look. It returns errDuplicate when a concurrent
+// attempt committed the marker first: nothing of this one commits.
+func (d *Deduper) commitLast(ctx context.Context, conn *pgx.Conn, m *marker) error {
+	b := &pgx.Batch{}
+	d.store.queueInsertLast(b, m, claimWait(ctx, d.opts.ClaimWait))
+	b.Queue("COMMIT")
+	br := conn.SendBatch(ctx, b)
+	if _, err := br.Exec(); err != nil {
+		_ = br.Close()
+		if sqlState(err) == stateUniqueViolation {
+			return errDuplicate // the insert touches the marker table alone: its key
+		}
+		return claimError(ctx, err)
+	}
+	return d.readCommit(br, true)
 }
 
 // release rolls back whatever transaction is still open (error and panic
@@ -237,6 +335,12 @@ func (d *Deduper) commit(ctx context.Context, conn *pgx.Conn, m *marker) error {
 		}
 		return fmt.Errorf("dedupactivity: store result: %w", err)
 	}
+	return d.readCommit(br, found)
+}
+
+// readCommit reads the COMMIT that ends br; found says whether the marker
+// was written.
+func (d *Deduper) readCommit(br pgx.BatchResults, found bool) error {
 	tag, err := br.Exec()
 	if cerr := br.Close(); err == nil {
 		err = cerr
@@ -294,10 +398,22 @@ func (d *Deduper) endedByEffect(ctx context.Context, conn *pgx.Conn, m *marker) 
 // committed marker and decides what the delivery returns.
 func (d *Deduper) duplicate(ctx context.Context, conn *pgx.Conn, m *marker, a attempt) (attempt, error) {
 	b := &pgx.Batch{}
-	b.Queue("ROLLBACK")
+	if conn.PgConn().TxStatus() == 'E' {
+		// The marker insert with COMMIT failed. pgx prepares a batch's new
+		// statements before it runs any, which a failed transaction refuses:
+		// roll back first.
+		if _, err := conn.Exec(ctx, "ROLLBACK"); err != nil {
+			return a, fmt.Errorf("dedupactivity: roll back: %w", err)
+		}
+	} else {
+		b.Queue("ROLLBACK")
+	}
 	d.store.queueRead(b, m)
 	br := conn.SendBatch(ctx, b)
-	_, err := br.Exec()
+	var err error
+	if b.Len() == 2 {
+		_, err = br.Exec()
+	}
 	var st stored
 	found := false
 	if err == nil {

@@ -75,48 +75,63 @@ func TestMarkerAndEffectInOneTransaction(t *testing.T) {
 	require.True(t, same, "the marker and the effect were written by one transaction")
 }
 
+// TestConcurrentDeliveries: deliveries of one event at once apply it once
+// and all return the committed result. With a business key the claim goes
+// first, so the others wait on it and never run the effect; a run-scoped
+// first attempt's claim goes with COMMIT, so they all run the effect and
+// all but one roll back.
 func TestConcurrentDeliveries(t *testing.T) {
 	t.Parallel()
-	b := setup(t, dedupactivity.Options{ClaimWait: 20 * time.Second})
-	fn := dedupactivity.Wrap(b.d, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
-		p, err := b.post(ctx, tx, in)
-		time.Sleep(200 * time.Millisecond) // hold the claim while others arrive
-		return p, err
-	})
-	const n = 32
-	var (
-		wg      sync.WaitGroup
-		mu      sync.Mutex
-		results []Posting
-		errs    []error
-	)
-	start := make(chan struct{})
-	for range n {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			<-start
-			p, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 5})
-			mu.Lock()
-			defer mu.Unlock()
-			if err != nil {
-				errs = append(errs, err)
-				return
+	for name, opts := range map[string][]dedupactivity.WrapOption{
+		"BusinessKey": {dedupactivity.WithBusinessKey(func(in Transfer) (string, error) { return in.Account, nil })},
+		"RunScoped":   nil,
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, dedupactivity.Options{ClaimWait: 20 * time.Second})
+			fn := dedupactivity.Wrap(b.d, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+				p, err := b.post(ctx, tx, in)
+				time.Sleep(200 * time.Millisecond) // hold the claim while others arrive
+				return p, err
+			}, opts...)
+			const n = 32
+			var (
+				wg      sync.WaitGroup
+				mu      sync.Mutex
+				results []Posting
+				errs    []error
+			)
+			start := make(chan struct{})
+			for range n {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					<-start
+					p, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 5})
+					mu.Lock()
+					defer mu.Unlock()
+					if err != nil {
+						errs = append(errs, err)
+						return
+					}
+					results = append(results, p)
+				}()
 			}
-			results = append(results, p)
-		}()
-	}
-	close(start)
-	wg.Wait()
+			close(start)
+			wg.Wait()
 
-	require.Empty(t, errs)
-	require.Len(t, results, n)
-	for _, r := range results {
-		require.Equal(t, results[0], r, "every successful attempt returns the committed result")
+			require.Empty(t, errs)
+			require.Len(t, results, n)
+			for _, r := range results {
+				require.Equal(t, results[0], r, "every successful attempt returns the committed result")
+			}
+			if name == "BusinessKey" {
+				require.Equal(t, int64(1), b.effects.Load(), "the others waited on the claim")
+			}
+			require.Equal(t, int64(1), b.ledgerRows(t))
+			require.Equal(t, int64(5), b.count(t, `SELECT balance FROM account WHERE id = 'a'`))
+		})
 	}
-	require.Equal(t, int64(1), b.effects.Load())
-	require.Equal(t, int64(1), b.ledgerRows(t))
-	require.Equal(t, int64(5), b.count(t, `SELECT balance FROM account WHERE id = 'a'`))
 }
 
 func TestClaimWaitIsBounded(t *testing.T) {

@@ -42,12 +42,15 @@
 // A first delivery costs the round trips of the bare effect in a
 // transaction, and a duplicate two. When the delivery is almost surely new
 // (the first attempt of a regular or standalone activity's run-scoped
-// identity, or Do with such an identity), the claim is sent with the
-// effect's first statement, one round trip fewer than the bare effect;
-// retries, business keys and local activities claim before the effect
-// runs. A duplicate among the riding deliveries (after an operator reset an
-// activity) runs the effect's first statement in a transaction that is
-// rolled back, and that call returns an error; see EffectFunc.
+// identity, or Do with such an identity), a look for the event's marker is
+// sent with the effect's first statement and the marker goes in with
+// COMMIT: one round trip fewer than the bare effect. Retries, business keys
+// and local activities claim before the effect runs. A duplicate among the
+// riding deliveries (after an operator reset an activity) runs the effect's
+// first statement in a transaction that is rolled back, and that call
+// returns an error; see EffectFunc. Two riding attempts of one event at the
+// same time both run the effect; one commits, the other rolls back on the
+// marker's key (an ERROR in the server log) and returns the stored result.
 //
 // # Example
 //

@@ -86,6 +86,10 @@ var (
 // and ignored, and the delivery returns the stored result.
 var errDuplicate = errors.New("dedupactivity: this delivery is a duplicate (the event was applied by an earlier attempt): its statements are rolled back and it returns the stored result; return any error")
 
+// errNotRidden says the effect's first statement could not carry the claim
+// (pgx refused it before sending anything); see claimTx.send.
+var errNotRidden = errors.New("dedupactivity: the statement could not carry the claim")
+
 // Temporal ApplicationError types used at the activity edge. Workflows can
 // match them with temporal.ApplicationError.Type() or list them in
 // RetryPolicy.NonRetryableErrorTypes.

@@ -4,12 +4,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"go.temporal.io/sdk/activity"
 
@@ -25,12 +27,13 @@ func runScoped(activityID string) dedupactivity.Identity {
 
 // countingDeduper is a Deduper on a one-connection pool to b's schema whose
 // client writes (round trips) are counted.
-func countingDeduper(t *testing.T, b *testBundle) (*dedupactivity.Deduper, *atomic.Int64) {
+func countingDeduper(t *testing.T, b *testBundle, mode pgx.QueryExecMode) (*dedupactivity.Deduper, *atomic.Int64) {
 	t.Helper()
 	var writes atomic.Int64
 	cfg, err := pgxpool.ParseConfig(b.schema.URL)
 	require.NoError(t, err)
 	cfg.MaxConns = 1
+	cfg.ConnConfig.DefaultQueryExecMode = mode
 	pgtest.CountRoundTrips(cfg.ConnConfig, &writes)
 	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
 	require.NoError(t, err)
@@ -125,44 +128,51 @@ func TestEveryFirstCallWorks(t *testing.T) {
 			return tag.RowsAffected(), err
 		}},
 	}
-	for _, c := range calls {
-		t.Run(c.name, func(t *testing.T) {
-			t.Parallel()
-			b := setup(t, dedupactivity.Options{})
-			d, writes := countingDeduper(t, b)
-			ctx := context.Background()
-			var sawDuplicate atomic.Bool
-			fn := func(ctx context.Context, tx pgx.Tx, in Transfer) (int64, error) {
-				n, err := c.call(ctx, tx)
-				if errors.Is(err, dedupactivity.ErrDuplicate) {
-					sawDuplicate.Store(true)
+	// With the simple protocol, one call may send several statements, so
+	// nothing rides.
+	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeSimpleProtocol} {
+		for _, c := range calls {
+			t.Run(mode.String()+"/"+c.name, func(t *testing.T) {
+				t.Parallel()
+				b := setup(t, dedupactivity.Options{})
+				d, writes := countingDeduper(t, b, mode)
+				ctx := context.Background()
+				var sawDuplicate atomic.Bool
+				fn := func(ctx context.Context, tx pgx.Tx, in Transfer) (int64, error) {
+					n, err := c.call(ctx, tx)
+					if errors.Is(err, dedupactivity.ErrDuplicate) {
+						sawDuplicate.Store(true)
+					}
+					return n, err
 				}
-				return n, err
-			}
-			// Warm the connection and its statement cache on another event.
-			_, _, err := dedupactivity.Do(ctx, d, runScoped("warm"), Transfer{}, fn)
-			require.NoError(t, err)
-			before := writes.Load()
-			first, outcome, err := dedupactivity.Do(ctx, d, runScoped("1"), Transfer{}, fn)
-			require.NoError(t, err)
-			require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
-			if rt := writes.Load() - before; c.rides {
-				require.Equal(t, int64(2), rt, "BEGIN, claim and the statement; result and COMMIT")
-			} else {
-				require.Greater(t, rt, int64(2), "the claim went on its own")
-			}
+				// Warm the connection and its statement cache on another event.
+				_, _, err := dedupactivity.Do(ctx, d, runScoped("warm"), Transfer{}, fn)
+				require.NoError(t, err)
+				before := writes.Load()
+				first, outcome, err := dedupactivity.Do(ctx, d, runScoped("1"), Transfer{}, fn)
+				require.NoError(t, err)
+				require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
+				if rt := writes.Load() - before; c.rides && mode != pgx.QueryExecModeSimpleProtocol {
+					require.Equal(t, int64(2), rt, "BEGIN, claim and the statement; result and COMMIT")
+				} else {
+					require.Greater(t, rt, int64(2), "the claim went on its own")
+				}
 
-			again, outcome, err := dedupactivity.Do(ctx, d, runScoped("1"), Transfer{}, fn)
-			require.NoError(t, err)
-			require.Equal(t, dedupactivity.OutcomeDuplicate, outcome)
-			require.Equal(t, first, again, "the stored result")
-			// The claim is sent when the effect first calls the Tx, so that
-			// call says the delivery is a duplicate (Conn returns nil, and
-			// LargeObjects fail: their panics are the claim's).
-			require.Equal(t, c.name != "Conn" && c.name != "LargeObjects", sawDuplicate.Load(), "the first call of a duplicate returned ErrDuplicate")
-			require.Equal(t, int64(2), b.ledgerRows(t), "one row for each event, none for the duplicate")
-			require.Equal(t, int64(2), b.markers(t))
-		})
+				again, outcome, err := dedupactivity.Do(ctx, d, runScoped("1"), Transfer{}, fn)
+				require.NoError(t, err)
+				require.Equal(t, dedupactivity.OutcomeDuplicate, outcome)
+				require.Equal(t, first, again, "the stored result")
+				// The claim is sent when the effect first calls the Tx, so that
+				// call says the delivery is a duplicate (Conn returns nil, and
+				// LargeObjects fail: their panics are the claim's).
+				// Under the simple protocol the claim goes before the effect,
+				// which a duplicate then never runs.
+				want := mode != pgx.QueryExecModeSimpleProtocol && c.name != "Conn" && c.name != "LargeObjects"
+				require.Equal(t, want, sawDuplicate.Load(), "the first call of a duplicate returned ErrDuplicate")
+				require.Equal(t, int64(2), b.ledgerRows(t), "one row for each event, none for the duplicate")
+				require.Equal(t, int64(2), b.markers(t))
+			})
+		}
 	}
 }
 
@@ -211,9 +221,9 @@ func TestDuplicateWhoseClaimRode(t *testing.T) {
 	}
 }
 
-// TestClaimTimeoutWhileRiding: a claim that rides with the effect's first
-// statement and waits past the claim wait for another attempt fails that
-// statement with ErrClaimTimeout, and the delivery with it.
+// TestClaimTimeoutWhileRiding: a riding claim whose marker, inserted with
+// COMMIT, waits past the claim wait for another attempt that holds the
+// event fails with ErrClaimTimeout, and nothing of it commits.
 func TestClaimTimeoutWhileRiding(t *testing.T) {
 	t.Parallel()
 	b := setup(t, dedupactivity.Options{})
@@ -225,17 +235,53 @@ func TestClaimTimeoutWhileRiding(t *testing.T) {
 	go func() { _, err := deliver(t, "Post", dedupactivity.Wrap(b.d, b.post), in); holder <- err }()
 	<-holding
 
-	var seen error
-	_, err = deliver(t, "Post", dedupactivity.Wrap(rider, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
-		p, err := b.post(ctx, tx, in)
-		seen = err
-		return p, err
-	}), in)
+	began := time.Now()
+	_, err = deliver(t, "Post", dedupactivity.Wrap(rider, b.post), in)
 	require.ErrorIs(t, err, dedupactivity.ErrClaimTimeout)
-	require.ErrorIs(t, seen, dedupactivity.ErrClaimTimeout, "the statement the claim rode with")
+	require.Less(t, time.Since(began), 10*time.Second)
+	require.Zero(t, b.ledgerRows(t), "the rider's writes rolled back; the holder's are not committed yet")
 	release()
 	require.NoError(t, <-holder)
 	require.Equal(t, int64(1), b.ledgerRows(t))
+	require.Equal(t, int64(2), b.count(t, `SELECT balance FROM account WHERE id = 'a'`))
+}
+
+// TestConcurrentRidingDeliveries: first attempts of one run-scoped event
+// delivered at once all look, find nothing and run the effect; the first
+// marker inserted with COMMIT wins, the others fail on its key (an ERROR in
+// the server log: Temporal does not run one attempt twice at once) and
+// return the stored result.
+func TestConcurrentRidingDeliveries(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{ClaimWait: 20 * time.Second})
+	ctx := context.Background()
+	const n = 8
+	outcomes := make([]dedupactivity.Outcome, n)
+	results := make([]Posting, n)
+	var wg sync.WaitGroup
+	start := make(chan struct{})
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-start
+			var err error
+			results[i], outcomes[i], err = dedupactivity.Do(ctx, b.d, runScoped("1"), Transfer{Account: "b", Amount: 3}, b.post)
+			assert.NoError(t, err)
+		}()
+	}
+	close(start)
+	wg.Wait()
+	claimed := 0
+	for i, o := range outcomes {
+		if o == dedupactivity.OutcomeClaimed {
+			claimed++
+		}
+		require.Equal(t, results[0], results[i], "every delivery returns the committed result")
+	}
+	require.Equal(t, 1, claimed)
+	require.Equal(t, int64(1), b.ledgerRows(t))
+	require.Equal(t, int64(3), b.count(t, `SELECT balance FROM account WHERE id = 'b'`))
 }
 
 // TestWhichClaimsRide: only first attempts of regular and standalone
@@ -260,4 +306,34 @@ func TestWhichClaimsRide(t *testing.T) {
 		got := dedupactivity.MayRide(dedupactivity.Identity{Kind: c.kind}, activity.Info{Attempt: c.attempt})
 		require.Equal(t, c.rides, got, fmt.Sprintf("%s, attempt %d", c.kind, c.attempt))
 	}
+}
+
+// TestFirstStatementPgxRefuses: when pgx refuses the effect's first
+// statement before sending anything (it cannot be prepared, or its
+// arguments cannot be encoded), the effect sees that statement's own error,
+// not a claim error, and nothing commits.
+func TestFirstStatementPgxRefuses(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	ctx := context.Background()
+	for name, c := range map[string]struct {
+		sql  string
+		args []any
+	}{
+		"MissingTable":   {`INSERT INTO no_such_table (x) VALUES ($1)`, []any{1}},
+		"UnencodableArg": {`INSERT INTO ledger (account, amount) VALUES ($1, $2)`, []any{"a", struct{ X chan int }{}}},
+	} {
+		var seen error
+		_, outcome, err := dedupactivity.Do(ctx, b.d, runScoped(name), Transfer{}, func(ctx context.Context, tx pgx.Tx, _ Transfer) (int, error) {
+			_, err := tx.Exec(ctx, c.sql, c.args...)
+			seen = err
+			return 0, err
+		})
+		require.Error(t, err, name)
+		require.Equal(t, dedupactivity.OutcomeEffectError, outcome, "%s: %v", name, err)
+		require.ErrorIs(t, err, seen, "%s: the effect's error, unchanged", name)
+		require.NotErrorIs(t, err, dedupactivity.ErrNotMigrated, name)
+	}
+	require.Zero(t, b.markers(t))
+	require.Zero(t, b.ledgerRows(t))
 }

@@ -55,6 +55,18 @@ func claimDupMismatch(t *testing.T, d *dedupactivity.Deduper, b *testBundle, key
 	require.Equal(t, dedupactivity.OutcomePayloadMismatch, outcome)
 	require.Equal(t, int64(1), b.count(t, `SELECT count(*) FROM ledger WHERE amount = 3 AND id = $1`, first.EntryID))
 	require.Equal(t, int64(1), b.count(t, `SELECT count(*) FROM dedup_marker WHERE id_hash = $1`, hashOf(id)))
+
+	// A run-scoped identity: the claim rides with the first statement.
+	id = runScoped(key)
+	first, outcome, err = dedupactivity.Do(ctx, d, id, in, post)
+	require.NoError(t, err)
+	require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
+	dup, outcome, err = dedupactivity.Do(ctx, d, id, in, post)
+	require.NoError(t, err)
+	require.Equal(t, dedupactivity.OutcomeDuplicate, outcome)
+	require.Equal(t, first, dup)
+	require.Equal(t, int64(2), b.count(t, `SELECT count(*) FROM ledger WHERE account = $1`, key))
+	require.Equal(t, int64(1), b.count(t, `SELECT count(*) FROM dedup_marker WHERE id_hash = $1`, hashOf(id)))
 }
 
 // TestAnySessionSettingAndExecMode: claims, duplicates and mismatches work

@@ -50,6 +50,14 @@ type store struct {
 	// a caller that goes on.
 	insert             string
 	restoreLockTimeout string
+	// insertLast inserts the whole marker, result included, just before
+	// COMMIT, for a claim that went as a look (see claimTx). It sets the
+	// claim wait as lock_timeout in its FROM clause, before it can wait for
+	// a concurrent transaction that inserted the same key; if that one
+	// commits, the insert fails (unique_violation): a duplicate, and the
+	// COMMIT behind it commits nothing. Nothing follows but COMMIT, so the
+	// lock_timeout is not put back.
+	insertLast string
 	// complete stores the result in the marker, found by its ctid, after
 	// guard has checked that the transaction is still the claim's.
 	complete string
@@ -61,6 +69,11 @@ type store struct {
 	guard string
 	// read returns a committed marker.
 	read string
+	// look is read for a claim that goes as a look (see claimTx): one row,
+	// the marker's columns NULL when none is committed, and whether the
+	// transaction is read-only (the marker goes in at COMMIT, after the
+	// effect's writes have failed on that).
+	look string
 	// exists says whether a marker is committed.
 	exists string
 	// oldest is the age in seconds of the marker that expires first, read
@@ -73,10 +86,10 @@ type store struct {
 }
 
 func newStore(table, ended string, partitioned bool, defaultPartition string) *store {
-	keyCol, keyVal, completeCond, readCond, pruned := ``, ``, ``, ``, table
+	keyCol, keyVal, completeCond, readCond, lookCond, pruned := ``, ``, ``, ``, ``, table
 	if partitioned {
 		keyCol, keyVal, pruned = `, scheduled_at`, `, $8::timestamptz`, defaultPartition
-		completeCond, readCond = ` AND scheduled_at = $4`, ` AND scheduled_at = $2`
+		completeCond, readCond, lookCond = ` AND scheduled_at = $4`, ` AND scheduled_at = $2`, ` AND m.scheduled_at = $2`
 	}
 	guard := func(param string) string {
 		return `SELECT CASE WHEN pg_current_xact_id() = ` + param + `::text::xid8 THEN true ELSE ` + ended + `() END`
@@ -90,13 +103,18 @@ FROM (SELECT set_config('dedupactivity.lock_timeout', current_setting('lock_time
 	set_config('lock_timeout', $7, true)) AS claim_wait
 ON CONFLICT DO NOTHING
 RETURNING ctid, pg_current_xact_id()::text, set_config('lock_timeout', current_setting('dedupactivity.lock_timeout'), true)`,
+		insertLast: `INSERT INTO ` + table + ` (id_hash, attempt, expires_at, activity_type, fingerprint, result` + keyCol + `)
+SELECT $1::bytea, $2::int4, $3::timestamptz, $4::text, $5::bytea, $6::bytea` + keyVal + `
+FROM (SELECT set_config('lock_timeout', $7, true)) AS claim_wait`,
 		restoreLockTimeout: `SELECT set_config('lock_timeout', current_setting('dedupactivity.lock_timeout'), true)`,
 		complete:           `UPDATE ` + table + ` SET result = $2 WHERE ctid = $1` + completeCond + ` AND (` + guard("$3") + `)`,
 		guard:              guard("$1"),
 		// bytea read as hex text: pgx decodes bytea text only in the hex
 		// output format, and the simple protocol reads text whatever
 		// bytea_output says.
-		read:   `SELECT encode(fingerprint, 'hex'), encode(result, 'hex'), attempt, xmin::text FROM ` + table + ` WHERE id_hash = $1` + readCond,
+		read: `SELECT encode(fingerprint, 'hex'), encode(result, 'hex'), attempt, xmin::text FROM ` + table + ` WHERE id_hash = $1` + readCond,
+		look: `SELECT encode(m.fingerprint, 'hex'), encode(m.result, 'hex'), m.attempt, m.xmin::text, current_setting('transaction_read_only') = 'on'
+FROM (SELECT) AS one LEFT JOIN ` + table + ` AS m ON m.id_hash = $1` + lookCond,
 		exists: `SELECT EXISTS (SELECT 1 FROM ` + table + ` WHERE id_hash = $1)`,
 		oldest: `SELECT extract(epoch FROM now() - claimed_at)::float8 FROM ` + table + ` ORDER BY expires_at LIMIT 1`,
 		prune: `DELETE FROM ` + pruned + ` WHERE ctid = ANY (ARRAY(
@@ -178,11 +196,20 @@ type marker struct {
 
 // queueClaim queues the claim on b; readClaim reads it.
 func (s *store) queueClaim(b *pgx.Batch, m *marker, wait time.Duration) {
-	args := []any{m.hash, m.attempt, m.expiresAt, m.activityType, m.fingerprint, m.result, fmt.Sprintf("%dms", wait.Milliseconds())}
+	b.Queue(s.insert, s.markerArgs(m, wait)...)
+}
+
+// queueInsertLast queues the insert of the whole marker m, for COMMIT.
+func (s *store) queueInsertLast(b *pgx.Batch, m *marker, wait time.Duration) {
+	b.Queue(s.insertLast, s.markerArgs(m, wait)...)
+}
+
+func (s *store) markerArgs(m *marker, wait time.Duration) []any {
+	args := []any{m.hash, m.attempt, m.expiresAt, m.activityType, m.fingerprint, m.result, strconv.FormatInt(wait.Milliseconds(), 10) + "ms"}
 	if s.partitioned {
 		args = append(args, m.scheduledAt)
 	}
-	b.Queue(s.insert, args...)
+	return args
 }
 
 // insertedBy says whether xmin (a marker's, as text) is the transaction that
@@ -257,6 +284,28 @@ func readStored(br pgx.BatchResults) (st stored, found bool, err error) {
 		return st, false, err
 	}
 	return st, true, nil
+}
+
+// queueLook queues the look for m's committed marker; readLook reads it. A
+// read-only transaction is ErrReadOnly.
+func (s *store) queueLook(b *pgx.Batch, m *marker) {
+	args := []any{m.hash}
+	if s.partitioned {
+		args = append(args, m.scheduledAt)
+	}
+	b.Queue(s.look, args...)
+}
+
+func readLook(br pgx.BatchResults) (found bool, err error) {
+	var attempt *int32
+	var readOnly bool
+	if err := br.QueryRow().Scan(nil, nil, &attempt, nil, &readOnly); err != nil {
+		return false, err
+	}
+	if readOnly {
+		return false, fmt.Errorf("%w (transaction_read_only is on)", ErrReadOnly)
+	}
+	return attempt != nil, nil
 }
 
 // decodeHex decodes a hex column; NULL stays nil, and ” becomes empty

@@ -2,6 +2,7 @@ package dedupactivity
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync/atomic"
 	"time"
@@ -19,14 +20,20 @@ import (
 // by then, possibly inside another event's transaction). Savepoints (Begin)
 // work as in pgx.
 //
-// The claim's first round trip (BEGIN and the claim statement) may be held
-// back until the effect's first statement, and sent with it: the claim
-// "rides" with that statement, which saves a round trip. Exec, Query and
-// QueryRow with positional arguments ride; any other first call sends the
-// claim on its own first. If the claim finds the event applied, or fails,
-// the statement that rode with it has run in a transaction that is rolled
-// back: the call returns errDuplicate (or the claim's error), and so does
-// every later call.
+// On a delivery that may ride (see mayRide), the claim's first round trip is
+// held back until the effect's first statement and sent with it, as a look
+// for a committed marker (stateLooked); the whole marker is then inserted
+// with COMMIT. Exec, Query and QueryRow with positional arguments ride; any
+// other first call sends the claim on its own first. A statement with bind
+// parameters, sent with the extended protocol, cannot end the transaction,
+// so while only those have run the marker can wait for COMMIT; any other
+// call (Exec without arguments, SendBatch, Begin, Conn, ...) inserts the
+// marker's key first. Under pgx's simple protocol, where one call may send
+// several statements, nothing rides.
+//
+// If the look finds the event applied, or fails, the statement that rode
+// with it has run in a transaction that is rolled back: the call returns
+// errDuplicate (or the claim's error), and so does every later call.
 type claimTx struct {
 	d      *Deduper
 	m      *marker
@@ -37,55 +44,91 @@ type claimTx struct {
 	closed atomic.Bool
 	depth  int // savepoints opened so far, for their names
 
-	start    time.Time     // the attempt's start
-	wait     time.Duration // the claim's lock_timeout
-	sent     bool          // the claim's first round trip has been sent
-	claimErr error         // errDuplicate, or why the claim failed
-	took     time.Duration // from start until the claim was read
-	ride     pgx.BatchResults
+	start    time.Time // the attempt's start
+	state    claimState
+	claimErr error            // errDuplicate, or why the claim failed
+	took     time.Duration    // from start until the claim was read
+	ride     bool             // the claim may ride with the first statement
+	riding   pgx.BatchResults // the batch the first statement rode in, while unread
+	rows     pgx.Rows         // the last Rows of Query, which the effect may leave open
 }
+
+// claimState is how far the claim has gone.
+type claimState uint8
+
+const (
+	stateNone    claimState = iota // nothing sent yet
+	stateLooked                    // BEGIN and the look sent: no marker committed; the marker goes in with COMMIT
+	stateClaimed                   // BEGIN and the claim sent: the marker's key is inserted
+)
 
 var _ pgx.Tx = (*claimTx)(nil)
 
 func (t *claimTx) close() { t.closed.Store(true) }
 
-// send sends the claim's first round trip, with q when q is not nil; see
-// Deduper.sendClaim. Its outcome is kept: a duplicate or a failed claim is
-// returned by every later call.
+// send sends the claim's first round trip: the claim, or, with q, the look
+// and q; see Deduper.sendClaim. Its outcome is kept: a duplicate or a failed
+// claim is returned by every later call. If pgx refuses q before sending
+// anything (preparing it, or encoding its arguments, failed), nothing is
+// sent and send returns errNotRidden: the caller sends q on its own, to
+// report its error as q's.
 func (t *claimTx) send(ctx context.Context, q *pgx.QueuedQuery) (pgx.BatchResults, error) {
-	t.sent = true
-	br, claimed, err := t.d.sendClaim(ctx, t, q)
+	br, ok, err := t.d.sendClaim(ctx, t, q)
+	if errors.Is(err, errNotRidden) {
+		return nil, err
+	}
 	t.took = time.Since(t.start)
+	t.state = stateClaimed
+	if q != nil {
+		t.state = stateLooked
+	}
 	switch {
 	case err != nil:
 		t.claimErr = err
-	case !claimed:
+	case !ok:
 		t.claimErr = errDuplicate
 	}
-	t.ride = br
+	t.riding = br
 	return br, t.claimErr
 }
 
-// ready sends the claim on its own if it has not been sent, and says
-// whether the transaction can take statements.
-func (t *claimTx) ready(ctx context.Context) error {
+// ready makes the transaction ready for a statement with args (nil for
+// calls that are not statements): it sends the claim on its own if nothing
+// was sent, and inserts the marker's key after a look unless the statement
+// has bind parameters.
+func (t *claimTx) ready(ctx context.Context, args []any) error {
 	switch {
 	case t.closed.Load():
 		return pgx.ErrTxClosed
-	case !t.sent:
+	case t.claimErr != nil:
+		return t.claimErr
+	case t.state == stateNone:
 		_, err := t.send(ctx, nil)
 		return err
+	case t.state == stateLooked && !positional(args):
+		t.state = stateClaimed
+		if ok, err := t.d.claimKey(ctx, t); err != nil {
+			t.claimErr = err
+		} else if !ok {
+			t.claimErr = errDuplicate
+		}
 	}
 	return t.claimErr
 }
 
 // rides says whether a statement with args can carry the claim: it is the
-// first, and its arguments are positional (no QueryExecMode, result format
-// or QueryRewriter option, which a pgx Batch does not take, and not none,
-// with which pgx sends the SQL, perhaps several statements, as a simple
-// query).
+// first, of a delivery that may ride, and its arguments are positional.
 func (t *claimTx) rides(args []any) bool {
-	if t.sent || t.closed.Load() || len(args) == 0 {
+	return t.ride && t.state == stateNone && !t.closed.Load() && positional(args)
+}
+
+// positional says whether args are bind parameters only, so that pgx sends
+// the statement with the extended protocol (one statement, parameters
+// bound): not none, with which pgx sends the SQL, perhaps several
+// statements, as a simple query, and no QueryExecMode, result format or
+// QueryRewriter option, which a pgx Batch does not take.
+func positional(args []any) bool {
+	if len(args) == 0 {
 		return false
 	}
 	switch args[0].(type) {
@@ -95,20 +138,35 @@ func (t *claimTx) rides(args []any) bool {
 	return true
 }
 
+// sendRiding sends sql with the claim; the caller reads its result.
+func (t *claimTx) sendRiding(ctx context.Context, sql string, args []any) (pgx.BatchResults, error) {
+	return t.send(ctx, &pgx.QueuedQuery{SQL: sql, Arguments: args})
+}
+
+// closeOpen closes what the effect left open when it ends (its last Rows,
+// the batch its first statement rode in), so the claim can go on on the
+// connection.
+func (t *claimTx) closeOpen() {
+	if t.rows != nil {
+		t.rows.Close()
+	}
+	_ = t.closeRide()
+}
+
 // closeRide closes the batch the first statement rode in, once its result
-// has been read (or when the effect ends, if it left it unread).
+// has been read.
 func (t *claimTx) closeRide() error {
-	if t.ride == nil {
+	if t.riding == nil {
 		return nil
 	}
-	br := t.ride
-	t.ride = nil
+	br := t.riding
+	t.riding = nil
 	return br.Close()
 }
 
 // Begin starts a savepoint, as pgx's Tx.Begin does.
 func (t *claimTx) Begin(ctx context.Context) (pgx.Tx, error) {
-	if err := t.ready(ctx); err != nil {
+	if err := t.ready(ctx, nil); err != nil {
 		return nil, err
 	}
 	t.depth++
@@ -134,7 +192,7 @@ func (t *claimTx) refuse(method string) error {
 
 // CopyFrom runs COPY FROM in the claim transaction.
 func (t *claimTx) CopyFrom(ctx context.Context, table pgx.Identifier, cols []string, src pgx.CopyFromSource) (int64, error) {
-	if err := t.ready(ctx); err != nil {
+	if err := t.ready(ctx, nil); err != nil {
 		return 0, err
 	}
 	return t.conn.CopyFrom(ctx, table, cols, src)
@@ -142,7 +200,7 @@ func (t *claimTx) CopyFrom(ctx context.Context, table pgx.Identifier, cols []str
 
 // SendBatch sends a batch in the claim transaction.
 func (t *claimTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
-	if err := t.ready(ctx); err != nil {
+	if err := t.ready(ctx, nil); err != nil {
 		return errBatch{err}
 	}
 	return t.conn.SendBatch(ctx, b)
@@ -151,9 +209,9 @@ func (t *claimTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults 
 // LargeObjects returns large-object access in the claim transaction. Do not
 // keep it past the effect: unlike the Tx, it is not closed with the attempt.
 // If the claim finds the event applied, or fails, large-object calls fail
-// too (pgx.ErrTxClosed).
+// too (they panic on a zero LargeObjects; that panic is the claim's).
 func (t *claimTx) LargeObjects() pgx.LargeObjects {
-	if err := t.ready(t.ctx); err != nil || t.inner == nil {
+	if err := t.ready(t.ctx, nil); err != nil || t.inner == nil {
 		return pgx.LargeObjects{}
 	}
 	return t.inner.LargeObjects()
@@ -161,7 +219,7 @@ func (t *claimTx) LargeObjects() pgx.LargeObjects {
 
 // Prepare prepares a statement on the claim's connection.
 func (t *claimTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
-	if err := t.ready(ctx); err != nil {
+	if err := t.ready(ctx, nil); err != nil {
 		return nil, err
 	}
 	return t.conn.Prepare(ctx, name, sql)
@@ -170,17 +228,18 @@ func (t *claimTx) Prepare(ctx context.Context, name, sql string) (*pgconn.Statem
 // Exec runs sql in the claim transaction.
 func (t *claimTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
 	if t.rides(args) {
-		br, err := t.send(ctx, &pgx.QueuedQuery{SQL: sql, Arguments: args})
-		if err != nil {
-			return pgconn.CommandTag{}, err
+		if br, err := t.sendRiding(ctx, sql, args); !errors.Is(err, errNotRidden) {
+			if err != nil {
+				return pgconn.CommandTag{}, err
+			}
+			tag, err := br.Exec()
+			if cerr := t.closeRide(); err == nil {
+				err = cerr
+			}
+			return tag, err
 		}
-		tag, err := br.Exec()
-		if cerr := t.closeRide(); err == nil {
-			err = cerr
-		}
-		return tag, err
 	}
-	if err := t.ready(ctx); err != nil {
+	if err := t.ready(ctx, args); err != nil {
 		return pgconn.CommandTag{}, err
 	}
 	return t.conn.Exec(ctx, sql, args...)
@@ -189,29 +248,33 @@ func (t *claimTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.Com
 // Query runs sql in the claim transaction.
 func (t *claimTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
 	if t.rides(args) {
-		br, err := t.send(ctx, &pgx.QueuedQuery{SQL: sql, Arguments: args})
-		if err != nil {
-			return errRows{err}, err
+		if br, err := t.sendRiding(ctx, sql, args); !errors.Is(err, errNotRidden) {
+			if err != nil {
+				return errRows{err}, err
+			}
+			rows, err := br.Query()
+			return &rideRows{Rows: rows, tx: t}, err
 		}
-		rows, err := br.Query()
-		return &rideRows{Rows: rows, tx: t}, err
 	}
-	if err := t.ready(ctx); err != nil {
+	if err := t.ready(ctx, args); err != nil {
 		return errRows{err}, err
 	}
-	return t.conn.Query(ctx, sql, args...)
+	rows, err := t.conn.Query(ctx, sql, args...)
+	t.rows = rows
+	return rows, err
 }
 
 // QueryRow runs sql in the claim transaction.
 func (t *claimTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
 	if t.rides(args) {
-		br, err := t.send(ctx, &pgx.QueuedQuery{SQL: sql, Arguments: args})
-		if err != nil {
-			return errRows{err}
+		if br, err := t.sendRiding(ctx, sql, args); !errors.Is(err, errNotRidden) {
+			if err != nil {
+				return errRows{err}
+			}
+			return rideRow{row: br.QueryRow(), tx: t}
 		}
-		return rideRow{row: br.QueryRow(), tx: t}
 	}
-	if err := t.ready(ctx); err != nil {
+	if err := t.ready(ctx, args); err != nil {
 		return errRows{err}
 	}
 	return t.conn.QueryRow(ctx, sql, args...)
@@ -221,7 +284,7 @@ func (t *claimTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
 // (or when the claim found the event applied, or failed). Statements sent
 // on it directly bypass the checks of this Tx.
 func (t *claimTx) Conn() *pgx.Conn {
-	if err := t.ready(t.ctx); err != nil {
+	if err := t.ready(t.ctx, nil); err != nil {
 		return nil
 	}
 	return t.conn

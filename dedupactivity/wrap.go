@@ -153,7 +153,11 @@ func newWrapper[In, Out any](d *Deduper, fn EffectFunc[In, Out], opts []WrapOpti
 // under MismatchReturnStored) when the stored result was returned. Both
 // return the result as the data converter decodes it, so a first delivery
 // and a duplicate return equal values. WithBusinessKey does not apply (id
-// is the identity) and is refused.
+// is the identity) and is refused. Outside an activity a run-scoped id
+// (KindActivity, KindStandalone) is taken for a first attempt: its claim
+// rides with fn's first statement (see Round trips in the package
+// documentation); for work that is often delivered again, such as a queue
+// consumer's, use a KindBusinessKey id, which claims before fn runs.
 func Do[In, Out any](ctx context.Context, d *Deduper, id Identity, in In, fn EffectFunc[In, Out], opts ...WrapOption) (Out, Outcome, error) {
 	var zero Out
 	w, err := newWrapper(d, fn, opts)
@@ -259,14 +263,16 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 	return out, a, nil
 }
 
-// mayRide says whether the claim of a delivery may be sent with its effect's
-// first statement, which saves a round trip but runs that statement (rolled
-// back) if the delivery turns out to be a duplicate. It may for the first
-// attempt of a regular or standalone activity's run-scoped identity, which
-// is almost always new: such an identity is delivered again by Temporal's
-// retries (attempt 2 on), or after an operator reset the activity. Retries,
-// business keys (which other workflows may share) and local activities
-// (which a new workflow task may run again from attempt 1) claim first.
+// mayRide says whether the claim of a delivery may ride with its effect's
+// first statement (see claimTx), which saves a round trip and a row version
+// but runs that statement (rolled back) if the delivery turns out to be a
+// duplicate, and the whole effect if another attempt runs at the same time.
+// It may for the first attempt of a regular or standalone activity's
+// run-scoped identity, which is almost always new: such an identity is
+// delivered again by Temporal's retries (attempt 2 on), or after an
+// operator reset the activity. Retries, business keys (which other
+// workflows may share) and local activities (which a new workflow task may
+// run again from attempt 1) claim first.
 func mayRide(id Identity, info activity.Info) bool {
 	return (id.Kind == KindActivity || id.Kind == KindStandalone) && info.Attempt <= 1
 }

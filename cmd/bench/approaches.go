@@ -166,7 +166,6 @@ func (b *bench) approaches() []approach {
 		{name: nameByHandNoWait, reference: true, deliver: func(ctx context.Context, key string, in posting) (bool, error) {
 			return b.byHandOn(ctx, `"dedup_marker"`, false, key, in)
 		}},
-		{name: nameByHandLate, reference: true, deliver: b.byHandLate},
 		{name: nameFloor, reference: true, deliver: b.floor},
 	}
 }
