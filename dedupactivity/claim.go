@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.temporal.io/sdk/activity"
 )
@@ -70,12 +71,16 @@ type attempt struct {
 // applies the effect.
 func (d *Deduper) claim(ctx context.Context, m *marker, ride bool, fn applyFunc) (a attempt, err error) {
 	a.outcome = OutcomeError
-	tx := &claimTx{d: d, m: m, ctx: ctx, start: time.Now(), ride: ride && !d.simpleProtocol}
+	tx := &claimTx{d: d, m: m, ctx: ctx, start: time.Now()}
 	if tx.pc, err = d.pool.Acquire(ctx); err != nil {
 		a.claimWait = time.Since(tx.start)
 		return a, fmt.Errorf("dedupactivity: acquire connection: %w", err)
 	}
 	tx.conn = tx.pc.Conn()
+	// Under pgx's simple protocol one call may send several statements (a
+	// COMMIT among them), so nothing rides; a BeforeConnect hook may set it
+	// for some connections only.
+	tx.ride = ride && tx.conn.Config().DefaultQueryExecMode != pgx.QueryExecModeSimpleProtocol
 	defer func() {
 		if tx.pc != nil {
 			release(ctx, tx.pc)
@@ -137,7 +142,7 @@ func (d *Deduper) claim(ctx context.Context, m *marker, ride bool, fn applyFunc)
 		if tx.state == stateLooked {
 			// Only statements with bind parameters ran, which cannot end a
 			// transaction; should one have, say so loudly.
-			return a, fmt.Errorf("%w: the transaction ended before the marker was written; what the effect committed is not marked", ErrTxEnded)
+			return a, fmt.Errorf("%w: the transaction ended (COMMIT or ROLLBACK) before the marker was written; whatever it committed is not marked", ErrTxEnded)
 		}
 		return a, d.endedByEffect(ctx, tx.conn, m)
 	case 'E':
@@ -145,7 +150,11 @@ func (d *Deduper) claim(ctx context.Context, m *marker, ride bool, fn applyFunc)
 	}
 	m.result = result
 	if tx.state == stateLooked {
+		began := time.Now()
 		err = d.commitLast(ctx, tx.conn, m)
+		if errors.Is(err, errDuplicate) || errors.Is(err, ErrClaimTimeout) {
+			a.claimWait += time.Since(began) // it waited for a concurrent attempt
+		}
 	} else {
 		err = d.commit(ctx, tx.conn, m)
 	}
@@ -225,7 +234,7 @@ func (d *Deduper) sendClaim(ctx context.Context, tx *claimTx, q *pgx.QueuedQuery
 			return nil, ok, nil
 		}
 		_ = br.Close()
-		if pe := (pgx.ErrPreprocessingBatch{}); look && errors.As(err, &pe) && pe.SQL() == q.SQL {
+		if look && notRun(tx.conn, q, err) {
 			// pgx could not prepare q or encode its arguments, and ran
 			// nothing: q's error is the effect's, not the claim's. (pgx
 			// may have closed the connection doing so.)
@@ -244,6 +253,19 @@ func (d *Deduper) sendClaim(ctx context.Context, tx *claimTx, q *pgx.QueuedQuery
 		}
 		return nil, false, claimError(ctx, err)
 	}
+}
+
+// notRun says whether the batch that carried q failed before any of it ran:
+// pgx refused q while preparing the batch (an ErrPreprocessingBatch naming
+// q), or the batch failed with no server error and left the connection
+// open and outside a transaction (BEGIN never ran; in QueryExecModeExec pgx
+// reports q's encoding errors so).
+func notRun(conn *pgx.Conn, q *pgx.QueuedQuery, err error) bool {
+	if pe := (pgx.ErrPreprocessingBatch{}); errors.As(err, &pe) && pe.SQL() == q.SQL {
+		return true
+	}
+	var pgErr *pgconn.PgError
+	return !errors.As(err, &pgErr) && !conn.IsClosed() && conn.PgConn().TxStatus() == 'I' && !errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded)
 }
 
 // replaceConn gives tx a new pooled connection for its broken one, before
@@ -296,10 +318,15 @@ func (d *Deduper) commitLast(ctx context.Context, conn *pgx.Conn, m *marker) err
 	br := conn.SendBatch(ctx, b)
 	if _, err := br.Exec(); err != nil {
 		_ = br.Close()
-		if sqlState(err) == stateUniqueViolation {
+		switch sqlState(err) {
+		case stateUniqueViolation:
 			return errDuplicate // the insert touches the marker table alone: its key
+		case stateLockNotAvailable, stateQueryCanceled:
+			return claimError(ctx, err) // the wait for a concurrent attempt
 		}
-		return claimError(ctx, err)
+		// The COMMIT behind the insert may or may not have run: the retry
+		// finds out.
+		return fmt.Errorf("dedupactivity: store marker and commit: %w", interpretError(err, false))
 	}
 	return d.readCommit(br, true)
 }

@@ -16,10 +16,6 @@ type Deduper struct {
 	opts  Options
 	store *store
 	tel   *telemetry
-	// simpleProtocol: the pool's connections send statements with pgx's
-	// simple protocol, where one call may hold several statements, so no
-	// claim rides (see claimTx).
-	simpleProtocol bool
 
 	// afterClaim, when set (tests only), runs after the claim inserted the
 	// marker and before the effect, inside the claim transaction.
@@ -40,8 +36,7 @@ func New(pool *pgxpool.Pool, opts Options) (*Deduper, error) {
 	if err != nil {
 		return nil, fmt.Errorf("dedupactivity: telemetry: %w", err)
 	}
-	d := &Deduper{pool: pool, opts: opts, tel: tel,
-		simpleProtocol: pool.Config().ConnConfig.DefaultQueryExecMode == pgx.QueryExecModeSimpleProtocol}
+	d := &Deduper{pool: pool, opts: opts, tel: tel}
 	d.store = newStore(d.qualify(opts.Table), d.qualify(opts.Table+"_ended"), opts.PartitionInterval > 0, d.qualify(opts.Table+"_default"))
 	if err := tel.observeOldest(d); err != nil {
 		return nil, fmt.Errorf("dedupactivity: telemetry: %w", err)

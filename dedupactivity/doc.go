@@ -40,11 +40,14 @@
 // # Round trips
 //
 // A first delivery costs the round trips of the bare effect in a
-// transaction, and a duplicate two. When the delivery is almost surely new
+// transaction, and a duplicate two (three when the statement that rode with
+// a look failed). When the delivery is almost surely new
 // (the first attempt of a regular or standalone activity's run-scoped
 // identity, or Do with such an identity), a look for the event's marker is
 // sent with the effect's first statement and the marker goes in with
-// COMMIT: one round trip fewer than the bare effect. Retries, business keys
+// COMMIT: one round trip fewer than the bare effect (a call other than
+// Exec, Query or QueryRow with positional arguments puts the marker's key
+// in first, in a round trip of its own). Retries, business keys
 // and local activities claim before the effect runs. A duplicate among the
 // riding deliveries (after an operator reset an activity) runs the effect's
 // first statement in a transaction that is rolled back, and that call

@@ -314,7 +314,17 @@ func TestWhichClaimsRide(t *testing.T) {
 // not a claim error, and nothing commits.
 func TestFirstStatementPgxRefuses(t *testing.T) {
 	t.Parallel()
-	b := setup(t, dedupactivity.Options{})
+	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeExec} {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, dedupactivity.Options{})
+			d, _ := countingDeduper(t, b, mode)
+			firstStatementRefused(t, b, d)
+		})
+	}
+}
+
+func firstStatementRefused(t *testing.T, b *testBundle, d *dedupactivity.Deduper) {
 	ctx := context.Background()
 	for name, c := range map[string]struct {
 		sql  string
@@ -324,7 +334,7 @@ func TestFirstStatementPgxRefuses(t *testing.T) {
 		"UnencodableArg": {`INSERT INTO ledger (account, amount) VALUES ($1, $2)`, []any{"a", struct{ X chan int }{}}},
 	} {
 		var seen error
-		_, outcome, err := dedupactivity.Do(ctx, b.d, runScoped(name), Transfer{}, func(ctx context.Context, tx pgx.Tx, _ Transfer) (int, error) {
+		_, outcome, err := dedupactivity.Do(ctx, d, runScoped(name), Transfer{}, func(ctx context.Context, tx pgx.Tx, _ Transfer) (int, error) {
 			_, err := tx.Exec(ctx, c.sql, c.args...)
 			seen = err
 			return 0, err
@@ -336,4 +346,33 @@ func TestFirstStatementPgxRefuses(t *testing.T) {
 	}
 	require.Zero(t, b.markers(t))
 	require.Zero(t, b.ledgerRows(t))
+}
+
+// TestRowsConnInsertsTheKeyFirst: the connection of a riding statement's
+// Rows is the Tx's Conn, so a COMMIT sent on it after the look commits the
+// marker's key with the effect's writes, as for tx.Conn(): never applied
+// twice.
+func TestRowsConnInsertsTheKeyFirst(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	ctx := context.Background()
+	fn := func(ctx context.Context, tx pgx.Tx, in Transfer) (int64, error) {
+		rows, _ := tx.Query(ctx, `INSERT INTO ledger (account, amount) VALUES ($1, $2) RETURNING id`, in.Account, in.Amount)
+		ids, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+		if err != nil {
+			return 0, err
+		}
+		conn := rows.Conn()
+		if conn == nil {
+			return 0, errors.New("no connection")
+		}
+		_, err = conn.Exec(ctx, `COMMIT; BEGIN; INSERT INTO ledger (account, amount) VALUES ('b', 100)`)
+		return ids[0], err
+	}
+	for range 2 {
+		_, _, err := dedupactivity.Do(ctx, b.d, runScoped("1"), Transfer{Account: "a", Amount: 1}, fn)
+		require.ErrorIs(t, err, dedupactivity.ErrTxEnded)
+	}
+	require.Equal(t, int64(1), b.ledgerRows(t), "the write before the COMMIT, once")
+	require.Equal(t, int64(1), b.markers(t), "committed with it")
 }

@@ -105,9 +105,13 @@ func (t *claimTx) ready(ctx context.Context, args []any) error {
 	case t.state == stateNone:
 		_, err := t.send(ctx, nil)
 		return err
-	case t.state == stateLooked && !positional(args):
+	case t.state == stateLooked && !positional(args) && t.conn.PgConn().TxStatus() != 'E':
+		// (A failed transaction commits nothing: the call fails as it is.)
 		t.state = stateClaimed
-		if ok, err := t.d.claimKey(ctx, t); err != nil {
+		began := time.Now()
+		ok, err := t.d.claimKey(ctx, t)
+		t.took += time.Since(began)
+		if err != nil {
 			t.claimErr = err
 		} else if !ok {
 			t.claimErr = errDuplicate
@@ -261,7 +265,7 @@ func (t *claimTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows,
 	}
 	rows, err := t.conn.Query(ctx, sql, args...)
 	t.rows = rows
-	return rows, err
+	return txRows{Rows: rows, tx: t}, err
 }
 
 // QueryRow runs sql in the claim transaction.
@@ -316,6 +320,18 @@ func (r *rideRows) finish() {
 		r.closeErr = err
 	}
 }
+
+// Conn is the Tx's Conn: a statement sent on it may end the transaction, so
+// the marker's key goes in first.
+func (r *rideRows) Conn() *pgx.Conn { return r.tx.Conn() }
+
+// txRows are the Rows of a Query sent directly; see rideRows.Conn.
+type txRows struct {
+	pgx.Rows
+	tx *claimTx
+}
+
+func (r txRows) Conn() *pgx.Conn { return r.tx.Conn() }
 
 func (r *rideRows) Err() error {
 	if err := r.Rows.Err(); err != nil {
