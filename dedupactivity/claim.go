@@ -391,24 +391,7 @@ func (d *Deduper) readCommit(br pgx.BatchResults, found bool) error {
 // the effect began after that, and says what was committed, read from the
 // marker.
 func (d *Deduper) endedByEffect(ctx context.Context, conn *pgx.Conn, m *marker) error {
-	b := &pgx.Batch{}
-	if conn.PgConn().TxStatus() != 'I' {
-		b.Queue("ROLLBACK")
-	}
-	d.store.queueRead(b, m)
-	br := conn.SendBatch(ctx, b)
-	var err error
-	if b.Len() == 2 {
-		_, err = br.Exec()
-	}
-	var st stored
-	found := false
-	if err == nil {
-		st, found, err = readStored(br)
-	}
-	if cerr := br.Close(); err == nil {
-		err = cerr
-	}
+	st, found, err := d.rollBackAndRead(ctx, conn, m)
 	switch {
 	case err != nil:
 		return fmt.Errorf("%w; reading the marker to tell whether it committed failed: %w", ErrTxEnded, err)
@@ -424,32 +407,36 @@ func (d *Deduper) endedByEffect(ctx context.Context, conn *pgx.Conn, m *marker) 
 // duplicate rolls back the claim transaction (it wrote nothing), reads the
 // committed marker and decides what the delivery returns.
 func (d *Deduper) duplicate(ctx context.Context, conn *pgx.Conn, m *marker, a attempt) (attempt, error) {
+	st, found, err := d.rollBackAndRead(ctx, conn, m)
+	return d.judge(m, st, found, err, a)
+}
+
+// rollBackAndRead rolls back whatever transaction conn is in and reads m's
+// committed marker, in one round trip; two when the transaction has failed,
+// since pgx prepares a batch's new statements before it runs any, which a
+// failed transaction refuses.
+func (d *Deduper) rollBackAndRead(ctx context.Context, conn *pgx.Conn, m *marker) (st stored, found bool, err error) {
 	b := &pgx.Batch{}
-	if conn.PgConn().TxStatus() == 'E' {
-		// The marker insert with COMMIT failed. pgx prepares a batch's new
-		// statements before it runs any, which a failed transaction refuses:
-		// roll back first.
+	switch conn.PgConn().TxStatus() {
+	case 'E':
 		if _, err := conn.Exec(ctx, "ROLLBACK"); err != nil {
-			return a, fmt.Errorf("dedupactivity: roll back: %w", err)
+			return st, false, fmt.Errorf("roll back: %w", err)
 		}
-	} else {
+	case 'T':
 		b.Queue("ROLLBACK")
 	}
 	d.store.queueRead(b, m)
 	br := conn.SendBatch(ctx, b)
-	var err error
 	if b.Len() == 2 {
 		_, err = br.Exec()
 	}
-	var st stored
-	found := false
 	if err == nil {
 		st, found, err = readStored(br)
 	}
 	if cerr := br.Close(); err == nil {
 		err = cerr
 	}
-	return d.judge(m, st, found, err, a)
+	return st, found, err
 }
 
 // judge decides what a delivery that found the event's marker committed

@@ -93,6 +93,11 @@ func TestEffectEndingTheTransactionWithSQL(t *testing.T) {
 				_, err := deliver(t, "Post", fn, in)
 				require.ErrorIs(t, err, dedupactivity.ErrTxEnded)
 				require.True(t, appErr(t, err).NonRetryable())
+				if c.want.markers == 1 {
+					require.ErrorContains(t, err, "it ran COMMIT", "the marker says what committed")
+				} else {
+					require.ErrorContains(t, err, "it ran ROLLBACK", "the marker says what committed")
+				}
 				require.Equal(t, c.want.ledger, b.ledgerRows(t))
 				require.Equal(t, c.want.markers, b.markers(t))
 
