@@ -77,10 +77,7 @@ func (d *Deduper) claim(ctx context.Context, m *marker, ride bool, fn applyFunc)
 		return a, fmt.Errorf("dedupactivity: acquire connection: %w", err)
 	}
 	tx.conn = tx.pc.Conn()
-	// Under pgx's simple protocol one call may send several statements (a
-	// COMMIT among them), so nothing rides; a BeforeConnect hook may set it
-	// for some connections only.
-	tx.ride = ride && tx.conn.Config().DefaultQueryExecMode != pgx.QueryExecModeSimpleProtocol
+	tx.ride = ride && !d.simpleProtocol(tx.conn)
 	defer func() {
 		if tx.pc != nil {
 			release(ctx, tx.pc)

@@ -133,3 +133,22 @@ func holdFirstClaim(t *testing.T, b *testBundle) (holding <-chan struct{}, relea
 	})
 	return h, release
 }
+
+// countingPool is a one-connection pool to b's schema whose client writes
+// (round trips) are counted; configure, when not nil, adjusts its
+// configuration first.
+func countingPool(t *testing.T, b *testBundle, configure func(*pgxpool.Config)) (*pgxpool.Pool, *atomic.Int64) {
+	t.Helper()
+	var writes atomic.Int64
+	cfg, err := pgxpool.ParseConfig(b.schema.URL)
+	require.NoError(t, err)
+	cfg.MaxConns = 1
+	if configure != nil {
+		configure(cfg)
+	}
+	pgtest.CountRoundTrips(cfg.ConnConfig, &writes)
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	return pool, &writes
+}

@@ -16,31 +16,12 @@ import (
 	"go.temporal.io/sdk/activity"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
-	"github.com/dedupactivity/dedupactivity/internal/pgtest"
 )
 
 // runScoped is a run-scoped identity outside Temporal: its claim rides with
 // the effect's first statement (Attempt is 0 in Do).
 func runScoped(activityID string) dedupactivity.Identity {
 	return dedupactivity.Identity{Kind: dedupactivity.KindActivity, Namespace: "default", WorkflowID: "w", RunID: "r", ActivityID: activityID}
-}
-
-// countingDeduper is a Deduper on a one-connection pool to b's schema whose
-// client writes (round trips) are counted.
-func countingDeduper(t *testing.T, b *testBundle, mode pgx.QueryExecMode) (*dedupactivity.Deduper, *atomic.Int64) {
-	t.Helper()
-	var writes atomic.Int64
-	cfg, err := pgxpool.ParseConfig(b.schema.URL)
-	require.NoError(t, err)
-	cfg.MaxConns = 1
-	cfg.ConnConfig.DefaultQueryExecMode = mode
-	pgtest.CountRoundTrips(cfg.ConnConfig, &writes)
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
-	d, err := dedupactivity.New(pool, dedupactivity.Options{})
-	require.NoError(t, err)
-	return d, &writes
 }
 
 // TestEveryFirstCallWorks: whatever the effect calls first, a first delivery
@@ -135,7 +116,9 @@ func TestEveryFirstCallWorks(t *testing.T) {
 			t.Run(mode.String()+"/"+c.name, func(t *testing.T) {
 				t.Parallel()
 				b := setup(t, dedupactivity.Options{})
-				d, writes := countingDeduper(t, b, mode)
+				pool, writes := countingPool(t, b, func(c *pgxpool.Config) { c.ConnConfig.DefaultQueryExecMode = mode })
+				d, err := dedupactivity.New(pool, dedupactivity.Options{})
+				require.NoError(t, err)
 				ctx := context.Background()
 				var sawDuplicate atomic.Bool
 				fn := func(ctx context.Context, tx pgx.Tx, in Transfer) (int64, error) {
@@ -146,7 +129,7 @@ func TestEveryFirstCallWorks(t *testing.T) {
 					return n, err
 				}
 				// Warm the connection and its statement cache on another event.
-				_, _, err := dedupactivity.Do(ctx, d, runScoped("warm"), Transfer{}, fn)
+				_, _, err = dedupactivity.Do(ctx, d, runScoped("warm"), Transfer{}, fn)
 				require.NoError(t, err)
 				before := writes.Load()
 				first, outcome, err := dedupactivity.Do(ctx, d, runScoped("1"), Transfer{}, fn)
@@ -318,7 +301,9 @@ func TestFirstStatementPgxRefuses(t *testing.T) {
 		t.Run(mode.String(), func(t *testing.T) {
 			t.Parallel()
 			b := setup(t, dedupactivity.Options{})
-			d, _ := countingDeduper(t, b, mode)
+			pool, _ := countingPool(t, b, func(c *pgxpool.Config) { c.ConnConfig.DefaultQueryExecMode = mode })
+			d, err := dedupactivity.New(pool, dedupactivity.Options{})
+			require.NoError(t, err)
 			firstStatementRefused(t, b, d)
 		})
 	}
@@ -375,4 +360,28 @@ func TestRowsConnInsertsTheKeyFirst(t *testing.T) {
 	}
 	require.Equal(t, int64(1), b.ledgerRows(t), "the write before the COMMIT, once")
 	require.Equal(t, int64(1), b.markers(t), "committed with it")
+}
+
+// TestBeforeConnectSimpleProtocolDoesNotRide: a pool whose BeforeConnect
+// hook switches connections to the simple protocol gets no riding claims,
+// though its own configuration says otherwise.
+func TestBeforeConnectSimpleProtocolDoesNotRide(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	ctx := context.Background()
+	pool, writes := countingPool(t, b, func(c *pgxpool.Config) {
+		c.BeforeConnect = func(_ context.Context, cc *pgx.ConnConfig) error {
+			cc.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol
+			return nil
+		}
+	})
+	d, err := dedupactivity.New(pool, dedupactivity.Options{})
+	require.NoError(t, err)
+	_, _, err = dedupactivity.Do(ctx, d, runScoped("warm"), Transfer{Account: "a", Amount: 1}, b.post)
+	require.NoError(t, err)
+	before := writes.Load()
+	_, outcome, err := dedupactivity.Do(ctx, d, runScoped("1"), Transfer{Account: "a", Amount: 1}, b.post)
+	require.NoError(t, err)
+	require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
+	require.Equal(t, int64(4), writes.Load()-before, "the claim went first: BEGIN and claim, two statements, result and COMMIT")
 }

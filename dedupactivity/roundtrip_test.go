@@ -3,15 +3,12 @@ package dedupactivity_test
 import (
 	"context"
 	"fmt"
-	"sync/atomic"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
-	"github.com/dedupactivity/dedupactivity/internal/pgtest"
 )
 
 // TestRoundTrips pins the cost of the claim: a first delivery takes no more
@@ -22,14 +19,7 @@ func TestRoundTrips(t *testing.T) {
 	b := setup(t, dedupactivity.Options{})
 	ctx := context.Background()
 
-	var writes atomic.Int64
-	cfg, err := pgxpool.ParseConfig(b.schema.URL)
-	require.NoError(t, err)
-	cfg.MaxConns = 1
-	pgtest.CountRoundTrips(cfg.ConnConfig, &writes)
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	require.NoError(t, err)
-	defer pool.Close()
+	pool, writes := countingPool(t, b, nil)
 	d, err := dedupactivity.New(pool, dedupactivity.Options{})
 	require.NoError(t, err)
 

@@ -205,7 +205,12 @@ func (s *store) queueInsertLast(b *pgx.Batch, m *marker, wait time.Duration) {
 }
 
 func (s *store) markerArgs(m *marker, wait time.Duration) []any {
-	args := []any{m.hash, m.attempt, m.expiresAt, m.activityType, m.fingerprint, m.result, strconv.FormatInt(wait.Milliseconds(), 10) + "ms"}
+	return s.withKey(m, m.hash, m.attempt, m.expiresAt, m.activityType, m.fingerprint, m.result, strconv.FormatInt(wait.Milliseconds(), 10)+"ms")
+}
+
+// withKey appends to args the rest of m's key: its scheduled time in the
+// partitioned layout, whose statements take it as their last parameter.
+func (s *store) withKey(m *marker, args ...any) []any {
 	if s.partitioned {
 		args = append(args, m.scheduledAt)
 	}
@@ -239,11 +244,7 @@ func (s *store) queueComplete(b *pgx.Batch, m *marker, storeResult bool) {
 		b.Queue(s.guard, m.xact)
 		return
 	}
-	args := []any{m.ctid, m.result, m.xact}
-	if s.partitioned {
-		args = append(args, m.scheduledAt)
-	}
-	b.Queue(s.complete, args...)
+	b.Queue(s.complete, s.withKey(m, m.ctid, m.result, m.xact)...)
 }
 
 func readComplete(br pgx.BatchResults) (bool, error) {
@@ -261,11 +262,7 @@ type stored struct {
 
 // queueRead queues the read of m's committed marker; readStored reads it.
 func (s *store) queueRead(b *pgx.Batch, m *marker) {
-	args := []any{m.hash}
-	if s.partitioned {
-		args = append(args, m.scheduledAt)
-	}
-	b.Queue(s.read, args...)
+	b.Queue(s.read, s.withKey(m, m.hash)...)
 }
 
 func readStored(br pgx.BatchResults) (st stored, found bool, err error) {
@@ -289,11 +286,7 @@ func readStored(br pgx.BatchResults) (st stored, found bool, err error) {
 // queueLook queues the look for m's committed marker; readLook reads it. A
 // read-only transaction is ErrReadOnly.
 func (s *store) queueLook(b *pgx.Batch, m *marker) {
-	args := []any{m.hash}
-	if s.partitioned {
-		args = append(args, m.scheduledAt)
-	}
-	b.Queue(s.look, args...)
+	b.Queue(s.look, s.withKey(m, m.hash)...)
 }
 
 func readLook(br pgx.BatchResults) (found bool, err error) {

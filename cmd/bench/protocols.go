@@ -9,6 +9,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 )
@@ -59,6 +60,18 @@ func (b *bench) seedRecipe(ctx context.Context, key string, in posting) (bool, e
 	return false, tx.Commit(ctx)
 }
 
+// begin acquires a connection and starts a batch with BEGIN, as
+// dedupactivity pipelines it.
+func (b *bench) begin(ctx context.Context) (*pgxpool.Conn, *pgx.Batch, error) {
+	conn, err := b.pool.Acquire(ctx)
+	if err != nil {
+		return nil, nil, err
+	}
+	batch := &pgx.Batch{}
+	batch.BeginTx(pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+	return conn, batch, nil
+}
+
 // claimSQL is dedupactivity's claim statement on table (copied from
 // dedupactivity/store.go).
 func claimSQL(table string) string {
@@ -78,13 +91,11 @@ RETURNING ctid, pg_current_xact_id()::text, set_config('lock_timeout', current_s
 // and restored inside the insert), it measures what those cost.
 func (b *bench) byHandOn(ctx context.Context, table string, claimWait bool, key string, in posting) (bool, error) {
 	h := runScoped(key).Hash()
-	conn, err := b.pool.Acquire(ctx)
+	conn, batch, err := b.begin(ctx)
 	if err != nil {
 		return false, err
 	}
 	defer conn.Release()
-	batch := &pgx.Batch{}
-	batch.BeginTx(pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
 	if claimWait {
 		batch.Queue(claimSQL(table),
 			h[:], int32(1), time.Now().Add(30*24*time.Hour), "Post", nil, nil, "30000ms")
@@ -100,7 +111,10 @@ RETURNING ctid, NULL::text, NULL::text`, h[:], int32(1), time.Now().Add(30*24*ti
 		return false, errors.Join(err, br.Close())
 	}
 	var ctid pgtype.TID
-	if err := br.QueryRow().Scan(&ctid, nil, nil); err != nil {
+	if err := br.QueryRow().Scan(&ctid, nil, nil); errors.Is(err, pgx.ErrNoRows) {
+		_ = br.Close()
+		return true, tx.Rollback(ctx) // a duplicate
+	} else if err != nil {
 		return false, errors.Join(err, br.Close())
 	}
 	if err := br.Close(); err != nil {
@@ -123,13 +137,11 @@ RETURNING ctid, NULL::text, NULL::text`, h[:], int32(1), time.Now().Add(30*24*ti
 // claim wait (a duplicate fails on the key).
 func (b *bench) floor(ctx context.Context, key string, in posting) (bool, error) {
 	h := runScoped(key).Hash()
-	conn, err := b.pool.Acquire(ctx)
+	conn, batch, err := b.begin(ctx)
 	if err != nil {
 		return false, err
 	}
 	defer conn.Release()
-	batch := &pgx.Batch{}
-	batch.BeginTx(pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
 	batch.Queue(`INSERT INTO floor_key (id_hash) VALUES ($1)`, h[:])
 	br := conn.SendBatch(ctx, batch)
 	tx := br.Tx()
@@ -152,17 +164,15 @@ func (b *bench) floor(ctx context.Context, key string, in posting) (bool, error)
 // dedupactivity row it shows what the library's Go side costs.
 func (b *bench) byHand(ctx context.Context, key string, in posting) (bool, error) {
 	h := runScoped(key).Hash()
-	conn, err := b.pool.Acquire(ctx)
+	conn, batch, err := b.begin(ctx)
 	if err != nil {
 		return false, err
 	}
 	defer conn.Release()
-	batch := &pgx.Batch{}
-	batch.BeginTx(pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
 	batch.Queue(`SELECT m.attempt, encode(m.result, 'hex'), current_setting('transaction_read_only') = 'on'
 FROM (SELECT) AS one LEFT JOIN "dedup_marker" AS m ON m.id_hash = $1`, h[:])
 	var r receipt
-	batch.Queue(`INSERT INTO ledger (event_key, account, amount) VALUES ($1, $2, $3) RETURNING id`, in.Key, in.Account, in.Amount)
+	batch.Queue(insertLedgerSQL, in.Key, in.Account, in.Amount)
 	br := conn.SendBatch(ctx, batch)
 	tx := br.Tx()
 	if _, err := br.Exec(); err != nil {
@@ -182,7 +192,7 @@ FROM (SELECT) AS one LEFT JOIN "dedup_marker" AS m ON m.id_hash = $1`, h[:])
 	if err := br.Close(); err != nil {
 		return false, err
 	}
-	if err := tx.QueryRow(ctx, `UPDATE account SET balance = balance + $2 WHERE id = $1 RETURNING balance`, in.Account, in.Amount).Scan(&r.Balance); err != nil {
+	if r, err = b.effectFrom(ctx, tx, in, r, 1); err != nil {
 		_ = tx.Rollback(ctx)
 		return false, err
 	}
