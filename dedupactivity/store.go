@@ -70,9 +70,10 @@ type store struct {
 	// read returns a committed marker.
 	read string
 	// look is read for a claim that goes as a look (see claimTx): one row,
-	// the marker's columns NULL when none is committed, and whether the
-	// transaction is read-only (the marker goes in at COMMIT, after the
-	// effect's writes have failed on that).
+	// saying whether a marker is committed (a duplicate reads it with its
+	// rollback, as any duplicate) and whether the transaction is read-only
+	// (the marker goes in at COMMIT, after the effect's writes have failed
+	// on that).
 	look string
 	// exists says whether a marker is committed.
 	exists string
@@ -113,7 +114,7 @@ FROM (SELECT set_config('lock_timeout', $7, true)) AS claim_wait`,
 		// output format, and the simple protocol reads text whatever
 		// bytea_output says.
 		read: `SELECT encode(fingerprint, 'hex'), encode(result, 'hex'), attempt, xmin::text FROM ` + table + ` WHERE id_hash = $1` + readCond,
-		look: `SELECT encode(m.fingerprint, 'hex'), encode(m.result, 'hex'), m.attempt, m.xmin::text, current_setting('transaction_read_only') = 'on'
+		look: `SELECT m.id_hash IS NOT NULL, current_setting('transaction_read_only') = 'on'
 FROM (SELECT) AS one LEFT JOIN ` + table + ` AS m ON m.id_hash = $1` + lookCond,
 		exists: `SELECT EXISTS (SELECT 1 FROM ` + table + ` WHERE id_hash = $1)`,
 		oldest: `SELECT extract(epoch FROM now() - claimed_at)::float8 FROM ` + table + ` ORDER BY expires_at LIMIT 1`,
@@ -290,15 +291,14 @@ func (s *store) queueLook(b *pgx.Batch, m *marker) {
 }
 
 func readLook(br pgx.BatchResults) (found bool, err error) {
-	var attempt *int32
 	var readOnly bool
-	if err := br.QueryRow().Scan(nil, nil, &attempt, nil, &readOnly); err != nil {
+	if err := br.QueryRow().Scan(&found, &readOnly); err != nil {
 		return false, err
 	}
 	if readOnly {
 		return false, fmt.Errorf("%w (transaction_read_only is on)", ErrReadOnly)
 	}
-	return attempt != nil, nil
+	return found, nil
 }
 
 // decodeHex decodes a hex column; NULL stays nil, and ” becomes empty

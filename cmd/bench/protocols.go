@@ -169,7 +169,7 @@ func (b *bench) byHand(ctx context.Context, key string, in posting) (bool, error
 		return false, err
 	}
 	defer conn.Release()
-	batch.Queue(`SELECT m.attempt, encode(m.result, 'hex'), current_setting('transaction_read_only') = 'on'
+	batch.Queue(`SELECT m.id_hash IS NOT NULL, current_setting('transaction_read_only') = 'on'
 FROM (SELECT) AS one LEFT JOIN "dedup_marker" AS m ON m.id_hash = $1`, h[:])
 	var r receipt
 	batch.Queue(insertLedgerSQL, in.Key, in.Account, in.Amount)
@@ -178,11 +178,11 @@ FROM (SELECT) AS one LEFT JOIN "dedup_marker" AS m ON m.id_hash = $1`, h[:])
 	if _, err := br.Exec(); err != nil {
 		return false, errors.Join(err, br.Close())
 	}
-	var attempt *int32
-	if err := br.QueryRow().Scan(&attempt, nil, nil); err != nil {
+	var found bool
+	if err := br.QueryRow().Scan(&found, nil); err != nil {
 		return false, errors.Join(err, br.Close())
 	}
-	if attempt != nil {
+	if found {
 		_ = br.Close()
 		return true, tx.Rollback(ctx)
 	}
