@@ -113,7 +113,7 @@ func ClaimTx[Out any](ctx context.Context, d *Deduper, tx pgx.Tx, id Identity, i
 	}
 	c.outcome = a.outcome
 	if len(a.result) > 0 {
-		if err = d.decodeResult(info, a.result, &c.stored); err != nil {
+		if err = decodeResult(d.converter(info), a.result, &c.stored); err != nil {
 			a.outcome = OutcomeError
 			return nil, err
 		}
@@ -138,7 +138,7 @@ func (c *Claim[Out]) Complete(ctx context.Context, result Out) error {
 	if c.outcome != OutcomeClaimed || c.done {
 		return ErrNotClaimed
 	}
-	b, _, err := c.d.encodeResult(c.info, result)
+	b, _, err := c.d.encodeResult(c.d.converter(c.info), result)
 	if err != nil {
 		return err
 	}

@@ -29,11 +29,11 @@ func (d *Deduper) converter(info activity.Info) converter.DataConverter {
 // encodeResult encodes an effect's result for the marker: a serialized
 // Temporal Payload (also returned, unserialized), or empty when results are
 // discarded.
-func (d *Deduper) encodeResult(info activity.Info, v any) ([]byte, *commonpb.Payload, error) {
+func (d *Deduper) encodeResult(dc converter.DataConverter, v any) ([]byte, *commonpb.Payload, error) {
 	if d.opts.DiscardResults {
 		return []byte{}, nil, nil
 	}
-	p, err := d.converter(info).ToPayload(v)
+	p, err := dc.ToPayload(v)
 	if err != nil {
 		return nil, nil, fmt.Errorf("%w: encode result: %w", ErrEncoding, err)
 	}
@@ -48,16 +48,16 @@ func (d *Deduper) encodeResult(info activity.Info, v any) ([]byte, *commonpb.Pay
 }
 
 // decodeResult decodes a stored result into out (a pointer).
-func (d *Deduper) decodeResult(info activity.Info, b []byte, out any) error {
+func decodeResult(dc converter.DataConverter, b []byte, out any) error {
 	var p commonpb.Payload
 	if err := proto.Unmarshal(b, &p); err != nil {
 		return fmt.Errorf("%w: unmarshal stored result: %w", ErrEncoding, err)
 	}
-	return d.fromPayload(info, &p, out)
+	return fromPayload(dc, &p, out)
 }
 
-func (d *Deduper) fromPayload(info activity.Info, p *commonpb.Payload, out any) error {
-	if err := d.converter(info).FromPayload(p, out); err != nil {
+func fromPayload(dc converter.DataConverter, p *commonpb.Payload, out any) error {
+	if err := dc.FromPayload(p, out); err != nil {
 		return fmt.Errorf("%w: decode stored result: %w", ErrEncoding, err)
 	}
 	return nil

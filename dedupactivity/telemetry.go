@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
@@ -164,11 +165,29 @@ type telemetry struct {
 	// sdkMetrics also records through activity.GetMetricsHandler.
 	sdkMetrics bool
 	table      string
+
+	// sets caches the metric attribute sets of attempts that end without
+	// an error, so an attempt does not sort and hash them again; the
+	// cache stops growing at maxCachedSets.
+	setsMu sync.RWMutex
+	sets   map[setKey]metric.MeasurementOption
 }
+
+// setKey is the attributes of an attempt's metrics that ended without an
+// error.
+type setKey struct {
+	outcome                            Outcome
+	activityType, namespace, taskQueue string
+}
+
+// maxCachedSets bounds telemetry.sets: outcomes x activity types x
+// namespaces x task queues of one worker stay far below it.
+const maxCachedSets = 4096
 
 func newTelemetry(tp trace.TracerProvider, mp metric.MeterProvider, sdkMetrics bool, table string) (*telemetry, error) {
 	meter := mp.Meter(ScopeName)
-	t := &telemetry{tracer: tp.Tracer(ScopeName), meter: meter, sdkMetrics: sdkMetrics, table: table}
+	t := &telemetry{tracer: tp.Tracer(ScopeName), meter: meter, sdkMetrics: sdkMetrics, table: table,
+		sets: make(map[setKey]metric.MeasurementOption)}
 	var err error
 	if t.attempts, err = meter.Int64Counter(MetricAttempts,
 		metric.WithDescription("Wrapped activity attempts by dedup outcome."),
@@ -272,18 +291,11 @@ func (t *telemetry) start(ctx context.Context, info activity.Info, id Identity, 
 // end closes the span and records the metrics. err is the error the attempt
 // returns; a non-nil err sets the span's status to Error and error.type.
 func (t *telemetry) end(ctx context.Context, r *record, err error) {
-	kv := []attribute.KeyValue{
-		OutcomeKey.String(string(r.outcome)),
-		activityTypeKey.String(r.activityType),
-		namespaceKey.String(r.namespace),
-		taskQueueKey.String(r.taskQueue),
-	}
 	var errType string
 	if err != nil {
 		errType = errorType(err)
-		kv = append(kv, errorTypeKey.String(errType))
 	}
-	attrs := metric.WithAttributeSet(attribute.NewSet(kv...))
+	attrs := t.metricAttrs(r, errType)
 	t.attempts.Add(ctx, 1, attrs)
 	t.claim.Record(ctx, r.claimWait.Seconds(), attrs)
 	if r.ranEffect {
@@ -317,6 +329,36 @@ func (t *telemetry) end(ctx context.Context, r *record, err error) {
 		r.span.SetStatus(codes.Error, string(r.outcome)+": "+err.Error())
 	}
 	r.span.End()
+}
+
+// metricAttrs returns the attributes of an attempt's metrics: outcome,
+// activity type, namespace, task queue and, when it failed, error.type.
+func (t *telemetry) metricAttrs(r *record, errType string) metric.MeasurementOption {
+	k := setKey{r.outcome, r.activityType, r.namespace, r.taskQueue}
+	if errType == "" {
+		t.setsMu.RLock()
+		o, ok := t.sets[k]
+		t.setsMu.RUnlock()
+		if ok {
+			return o
+		}
+	}
+	kv := []attribute.KeyValue{
+		OutcomeKey.String(string(r.outcome)),
+		activityTypeKey.String(r.activityType),
+		namespaceKey.String(r.namespace),
+		taskQueueKey.String(r.taskQueue),
+	}
+	if errType != "" {
+		return metric.WithAttributeSet(attribute.NewSet(append(kv, errorTypeKey.String(errType))...))
+	}
+	o := metric.WithAttributeSet(attribute.NewSet(kv...))
+	t.setsMu.Lock()
+	if len(t.sets) < maxCachedSets {
+		t.sets[k] = o
+	}
+	t.setsMu.Unlock()
+	return o
 }
 
 // errorType is the error.type of err (see errorTypeKey).

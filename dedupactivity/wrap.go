@@ -230,6 +230,7 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 		return out, a, err
 	}
 
+	dc := w.d.converter(info)
 	var claimedOut Out
 	var claimedPayload *commonpb.Payload
 	a, err = w.d.claim(ctx, m, mayRide(id, info), func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
@@ -238,7 +239,7 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 			return nil, effectError{err}
 		}
 		claimedOut = o
-		b, p, err := w.d.encodeResult(info, o)
+		b, p, err := w.d.encodeResult(dc, o)
 		claimedPayload = p
 		return b, err
 	})
@@ -250,7 +251,7 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 	}
 	if a.outcome == OutcomeClaimed {
 		if decodeClaimed && claimedPayload != nil {
-			err = w.d.fromPayload(info, claimedPayload, &out)
+			err = fromPayload(dc, claimedPayload, &out)
 			return out, a, err
 		}
 		return claimedOut, a, nil
@@ -258,7 +259,7 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 	if len(a.result) == 0 {
 		return out, a, nil // results are not stored: the zero value
 	}
-	if err := w.d.decodeResult(info, a.result, &out); err != nil {
+	if err := decodeResult(dc, a.result, &out); err != nil {
 		a.outcome = OutcomeError
 		return out, a, err
 	}
