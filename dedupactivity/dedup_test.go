@@ -445,3 +445,51 @@ func TestClaimWaitCutByDeadline(t *testing.T) {
 	release()
 	require.NoError(t, <-holder)
 }
+
+// TestResult reads what Do stored, through the data converter, and says
+// whether an event was applied, as Applied does.
+func TestResult(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, dedupactivity.Options{DataConverter: newXORConverter()})
+	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, Namespace: "n", ActivityType: "Post", Key: "k"}
+	first, _, err := dedupactivity.Do(ctx, b.d, id, Transfer{Account: "a", Amount: 5}, b.post)
+	require.NoError(t, err)
+
+	var got Posting
+	applied, err := b.d.Result(ctx, id, &got)
+	require.NoError(t, err)
+	require.True(t, applied)
+	require.Equal(t, first, got)
+	require.NotZero(t, got.EntryID)
+	ok, err := b.d.Applied(ctx, id)
+	require.NoError(t, err)
+	require.True(t, ok)
+
+	other := id
+	other.Key = "never"
+	got = Posting{EntryID: -1}
+	applied, err = b.d.Result(ctx, other, &got)
+	require.NoError(t, err)
+	require.False(t, applied)
+	require.Equal(t, Posting{EntryID: -1}, got, "left as it was")
+	ok, err = b.d.Applied(ctx, other)
+	require.NoError(t, err)
+	require.False(t, ok)
+
+	_, err = b.d.Result(ctx, dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey}, &got)
+	require.ErrorIs(t, err, dedupactivity.ErrEmptyBusinessKey)
+
+	discarding := setup(t, dedupactivity.Options{DiscardResults: true})
+	_, _, err = dedupactivity.Do(ctx, discarding.d, id, Transfer{Account: "a", Amount: 5}, discarding.post)
+	require.NoError(t, err)
+	got = Posting{EntryID: -1}
+	applied, err = discarding.d.Result(ctx, id, &got)
+	require.NoError(t, err)
+	require.True(t, applied)
+	require.Equal(t, Posting{EntryID: -1}, got, "no result stored")
+
+	var wrong []string
+	_, err = b.d.Result(ctx, id, &wrong)
+	require.ErrorIs(t, err, dedupactivity.ErrEncoding)
+}

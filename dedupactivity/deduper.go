@@ -2,6 +2,8 @@ package dedupactivity
 
 import (
 	"context"
+	"encoding/hex"
+	"errors"
 	"fmt"
 
 	"github.com/jackc/pgx/v5"
@@ -84,4 +86,36 @@ func (d *Deduper) Applied(ctx context.Context, id Identity) (bool, error) {
 		return false, fmt.Errorf("dedupactivity: applied: %w", interpretError(err, false))
 	}
 	return ok, nil
+}
+
+// Result reads the result stored for the event id into out (a pointer, as
+// the data converter's FromPayload takes it) and says whether id was
+// applied, as Applied does. When it was not, or results are discarded, out
+// is left as it is. The result is decoded as Do decodes a duplicate's: with
+// the serialization context of ctx's activity, or outside an activity of
+// id's activity type. A destination reads with it what it answered, to tell
+// a reconciler that it refused a message rather than applied it.
+func (d *Deduper) Result(ctx context.Context, id Identity, out any) (bool, error) {
+	enc := id.Encode()
+	if err := id.validate(enc); err != nil {
+		return false, err
+	}
+	h := sha256Sum(enc)
+	var hexResult *string
+	if err := d.pool.QueryRow(ctx, d.store.result, h[:]).Scan(&hexResult); errors.Is(err, pgx.ErrNoRows) {
+		return false, nil
+	} else if err != nil {
+		return false, fmt.Errorf("dedupactivity: result: %w", interpretError(err, false))
+	}
+	if hexResult == nil {
+		return true, nil
+	}
+	b, err := hex.DecodeString(*hexResult)
+	if err != nil {
+		return true, fmt.Errorf("%w: stored result: %w", ErrEncoding, err)
+	}
+	if len(b) == 0 {
+		return true, nil // results are discarded
+	}
+	return true, decodeResult(d.converter(infoFor(ctx, id)), b, out)
 }

@@ -77,6 +77,9 @@ type store struct {
 	look string
 	// exists says whether a marker is committed.
 	exists string
+	// result returns a committed marker's result, found by id_hash alone
+	// (one event has one ScheduledTime, so one partition).
+	result string
 	// oldest is the age in seconds of the marker that expires first, read
 	// through the expiry index.
 	oldest string
@@ -117,6 +120,7 @@ FROM (SELECT set_config('lock_timeout', $7, true)) AS claim_wait`,
 		look: `SELECT m.id_hash IS NOT NULL, current_setting('transaction_read_only') = 'on'
 FROM (SELECT) AS one LEFT JOIN ` + table + ` AS m ON m.id_hash = $1` + lookCond,
 		exists: `SELECT EXISTS (SELECT 1 FROM ` + table + ` WHERE id_hash = $1)`,
+		result: `SELECT encode(result, 'hex') FROM ` + table + ` WHERE id_hash = $1 LIMIT 1`,
 		oldest: `SELECT extract(epoch FROM now() - claimed_at)::float8 FROM ` + table + ` ORDER BY expires_at LIMIT 1`,
 		prune: `DELETE FROM ` + pruned + ` WHERE ctid = ANY (ARRAY(
 	SELECT ctid FROM ` + pruned + ` WHERE expires_at < now()

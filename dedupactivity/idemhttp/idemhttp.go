@@ -8,9 +8,9 @@
 // The behaviour follows Stripe's idempotent requests:
 //
 //   - The first request with a key runs the handler inside a transaction
-//     (Tx gives it the pgx.Tx). A response below 500 commits the handler's
-//     writes and is stored: status, the headers named in
-//     Options.ReplayHeaders, and the body.
+//     (Tx gives it the pgx.Tx). A response below 500, other than 408, 409,
+//     425 and 429, commits the handler's writes and is stored: status, the
+//     headers named in Options.ReplayHeaders, and the body.
 //   - A later request with the same key and the same method, path and body
 //     gets the stored response without running the handler, with the header
 //     Idempotent-Replayed: true.
@@ -20,7 +20,8 @@
 //     waits for it, at most Options.InFlightWait (default 1s): if the first
 //     finishes in time, the second gets its stored response; otherwise 409
 //     Conflict with Retry-After, and the client retries later.
-//   - A response of 500 or more rolls the handler's writes back and is not
+//   - A response of 500 or more, or a 408, 409, 425 or 429 (answers that
+//     ask the client to retry), rolls the handler's writes back and is not
 //     stored: the next request with the key runs the handler again.
 //   - A request without a key is passed to the handler without a
 //     transaction (Tx returns false), or refused with 400 when
@@ -30,7 +31,8 @@
 // Options.Retention, default 30 days); Deduper.Prune removes them.
 //
 // Middleware.Applied and Middleware.StatusHandler answer "did you apply key
-// K?" for an outbox Reconciler.
+// K?" for an outbox Reconciler: applied (a stored status below 400), not
+// applied (no key), or refused for good (a stored 4xx; see RejectedError).
 package idemhttp
 
 import (
@@ -49,6 +51,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
+	"github.com/dedupactivity/dedupactivity/dedupactivity/outbox"
 )
 
 // Defaults of Options.
@@ -259,21 +262,43 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 }
 
 // Applied says whether a request with key was applied: its handler
-// committed and answered with a stored status (see storable). Before the
-// keys' retention ends.
+// committed and answered with a stored status below 400 (see storable).
+// For a key whose stored answer is a 4xx, the request was refused for good:
+// Applied returns false and an error that matches outbox.ErrRejected and
+// names the status. Keys are known until their retention ends.
 func (m *Middleware) Applied(ctx context.Context, key string) (bool, error) {
-	ok, err := m.d.Applied(ctx, m.identity(key))
+	var r response
+	ok, err := m.d.Result(ctx, m.identity(key), &r)
 	if err != nil {
 		return false, fmt.Errorf("idemhttp: %w", err)
+	}
+	if ok && r.Status >= 400 {
+		return false, &RejectedError{Key: key, Status: r.Status}
 	}
 	return ok, nil
 }
 
+// RejectedError is Applied's answer for a key whose request was refused
+// for good: its stored answer has a 4xx status. It matches
+// outbox.ErrRejected.
+type RejectedError struct {
+	Key    string
+	Status int
+}
+
+func (e *RejectedError) Error() string {
+	return fmt.Sprintf("idemhttp: the request with key %q was answered %d, not applied", e.Key, e.Status)
+}
+
+// Is makes RejectedError match outbox.ErrRejected.
+func (e *RejectedError) Is(target error) bool { return target == outbox.ErrRejected }
+
 // StatusHandler answers "did you apply key K?": GET with the key as the
 // path value "key" (a route such as "GET /idempotency-keys/{key}") or the
 // query parameter "key". It answers 200 {"applied":true} when applied, 404
-// {"applied":false} when not, 500 when it cannot tell. outbox.HTTPChecker
-// reads it.
+// {"applied":false} when not, 409 {"applied":false,"status":N} when the
+// request was refused for good with the 4xx status N, and 500 when it
+// cannot tell. outbox.HTTPChecker reads it.
 func (m *Middleware) StatusHandler() http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		key := r.PathValue("key")
@@ -285,22 +310,28 @@ func (m *Middleware) StatusHandler() http.Handler {
 			return
 		}
 		applied, err := m.Applied(r.Context(), key)
-		if err != nil {
+		var rejected *RejectedError
+		switch {
+		case errors.As(err, &rejected):
+			writeJSON(w, http.StatusConflict, map[string]any{"applied": false, "status": rejected.Status})
+		case err != nil:
 			writeError(w, http.StatusInternalServerError, err.Error())
-			return
+		case applied:
+			writeJSON(w, http.StatusOK, map[string]any{"applied": true})
+		default:
+			writeJSON(w, http.StatusNotFound, map[string]any{"applied": false})
 		}
-		w.Header().Set("Content-Type", "application/json")
-		if !applied {
-			w.WriteHeader(http.StatusNotFound)
-		}
-		_ = json.NewEncoder(w).Encode(map[string]bool{"applied": applied})
 	})
 }
 
 func writeError(w http.ResponseWriter, status int, msg string) {
+	writeJSON(w, status, map[string]string{"error": msg})
+}
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(status)
-	_ = json.NewEncoder(w).Encode(map[string]string{"error": msg})
+	_ = json.NewEncoder(w).Encode(v)
 }
 
 // recorder buffers the handler's response.

@@ -17,6 +17,7 @@ import (
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 	"github.com/dedupactivity/dedupactivity/dedupactivity/idemhttp"
+	"github.com/dedupactivity/dedupactivity/dedupactivity/outbox"
 	"github.com/dedupactivity/dedupactivity/internal/pgtest"
 )
 
@@ -284,6 +285,21 @@ func TestStatusHandlerAnswersApplied(t *testing.T) {
 	require.Equal(t, http.StatusCreated, b.post(t, "/receipts", "k1", `{}`).status)
 	require.Equal(t, http.StatusOK, get("k1"))
 	require.Equal(t, http.StatusNotFound, get("k2"))
+
+	// A final 4xx is stored and replayed, but the request was refused, not
+	// applied.
+	b.status.Store(http.StatusPaymentRequired)
+	require.Equal(t, http.StatusPaymentRequired, b.post(t, "/receipts", "k3", `{}`).status)
+	require.Equal(t, http.StatusConflict, get("k3"))
+	applied, err := b.m.Applied(context.Background(), "k3")
+	require.False(t, applied)
+	require.ErrorIs(t, err, outbox.ErrRejected)
+	var rejected *idemhttp.RejectedError
+	require.ErrorAs(t, err, &rejected)
+	require.Equal(t, http.StatusPaymentRequired, rejected.Status)
+	applied, err = b.m.Applied(context.Background(), "k1")
+	require.NoError(t, err)
+	require.True(t, applied)
 }
 
 func TestScopesSeparateKeys(t *testing.T) {

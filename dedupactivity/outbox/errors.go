@@ -32,6 +32,13 @@ var (
 	// it: fmt.Errorf("%w: ...", outbox.ErrPermanent).
 	ErrPermanent = errors.New("outbox: permanent delivery failure")
 
+	// ErrRejected is returned (wrapped) by a Checker when the destination
+	// knows the message's key and refused the message for good (an HTTP
+	// 4xx it stored and replays): neither applied nor worth sending again.
+	// The reconciler makes the message dead and reports it. HTTPChecker
+	// returns it for a 409 answer, which idemhttp's StatusHandler gives.
+	ErrRejected = errors.New("outbox: rejected by the destination")
+
 	// ErrUnknownDestination is returned (wrapping ErrPermanent) by
 	// HTTPSender for a destination it has no URL for.
 	ErrUnknownDestination = errors.New("outbox: unknown destination")

@@ -1,8 +1,11 @@
 package outbox
 
 import (
+	"bytes"
 	"context"
+	"errors"
 	"fmt"
+	"io"
 	"net/http"
 	"net/url"
 	"time"
@@ -16,9 +19,11 @@ import (
 )
 
 // Checker asks a destination whether it applied a message: "did you apply
-// key K?". It returns true or false when the destination knows, and an
-// error when the answer is unknown (the destination is down, say); the
-// message is then reported, not changed.
+// key K?". It returns true or false when the destination knows; an error
+// wrapping ErrRejected when it knows the key and refused the message for
+// good (the message is made dead and reported); and any other error when
+// the answer is unknown (the destination is down, say): the message is then
+// reported, not changed.
 type Checker interface {
 	Applied(ctx context.Context, d Delivery) (bool, error)
 }
@@ -30,8 +35,9 @@ type CheckerFunc func(ctx context.Context, d Delivery) (bool, error)
 func (f CheckerFunc) Applied(ctx context.Context, d Delivery) (bool, error) { return f(ctx, d) }
 
 // HTTPChecker asks over HTTP: a GET of URL(destination, key) answered 200
-// means applied, 404 means not applied, anything else is unknown. The
-// idemhttp package's Middleware.StatusHandler answers this way.
+// means applied, 404 means not applied, 409 means refused for good
+// (ErrRejected), anything else is unknown. The idemhttp package's
+// Middleware.StatusHandler answers this way.
 type HTTPChecker struct {
 	// URL returns the status URL of key at destination; "" means the
 	// destination cannot be asked (unknown).
@@ -58,12 +64,15 @@ func (c HTTPChecker) Applied(ctx context.Context, d Delivery) (bool, error) {
 	if err != nil {
 		return false, fmt.Errorf("outbox: check %s: %w", d.Key, err)
 	}
-	resp.Body.Close()
+	defer resp.Body.Close()
 	switch resp.StatusCode {
 	case http.StatusOK:
 		return true, nil
 	case http.StatusNotFound:
 		return false, nil
+	case http.StatusConflict:
+		body, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
+		return false, fmt.Errorf("%w: check %s: status %d: %s", ErrRejected, d.Key, resp.StatusCode, bytes.TrimSpace(body))
 	}
 	return false, fmt.Errorf("outbox: check %s: status %d", d.Key, resp.StatusCode)
 }
@@ -120,7 +129,8 @@ type ReconcilerConfig struct {
 // Reconciler settles what a relay cannot settle alone: messages sent but not
 // acknowledged for longer than UnackedAfter, and dead messages. For each it
 // asks the destination (Checker) and marks the message applied, re-queues
-// it, or reports it.
+// it, or reports it (a message the destination refused for good is made
+// dead first).
 type Reconciler struct {
 	ob         *Outbox
 	cfg        ReconcilerConfig
@@ -188,8 +198,9 @@ type Unresolved struct {
 	State       State
 	Attempts    int
 	LastError   string
-	// Reason says why: the check failed (unknown), or a dead message ran
-	// out of re-queues.
+	// Reason says why: the check failed (unknown), a dead message ran out
+	// of re-queues, or the destination refused the message for good
+	// (ErrRejected's message; such a message is dead, with it as LastError).
 	Reason string
 }
 
@@ -259,12 +270,21 @@ ORDER BY (state = 'dead' AND requeues >= $3), id LIMIT $2`, rc.cfg.UnackedAfter.
 			rc.count(ctx, "unresolved", c.d.Destination)
 		}
 		applied, cerr := rc.cfg.Checker.Applied(ctx, c.d)
-		if cerr != nil {
+		rejected := errors.Is(cerr, ErrRejected)
+		if cerr != nil && !rejected {
 			unresolved("unknown: " + cerr.Error())
 			continue
 		}
 		var sql string
+		args := []any{c.d.ID, string(c.state), c.d.Attempt}
 		switch {
+		case rejected && c.state == StateDead:
+			unresolved(cerr.Error())
+			continue
+		case rejected:
+			sql = `UPDATE ` + t + ` SET state = 'dead', settled_at = now(), lease_until = NULL, unacked_since = NULL, last_error = $4
+WHERE id = $1 AND state = $2 AND attempts = $3`
+			args = append(args, errorText(cerr))
 		case applied:
 			sql = `UPDATE ` + t + ` SET state = 'applied', settled_at = now(), lease_until = NULL, unacked_since = NULL
 WHERE id = $1 AND state = $2 AND attempts = $3`
@@ -279,17 +299,21 @@ WHERE id = $1 AND state = $2 AND attempts = $3`
 			sql = `UPDATE ` + t + ` SET state = 'pending', next_attempt_at = now(), lease_until = NULL, unacked_since = NULL
 WHERE id = $1 AND state = $2 AND attempts = $3`
 		}
-		tag, err := rc.ob.pool.Exec(ctx, sql, c.d.ID, string(c.state), c.d.Attempt)
+		tag, err := rc.ob.pool.Exec(ctx, sql, args...)
 		if err != nil {
 			return rep, fmt.Errorf("outbox: reconcile %s: %w", c.d.Key, translate(err))
 		}
 		if tag.RowsAffected() == 0 {
 			continue // a relay took it meanwhile
 		}
-		if applied {
+		switch {
+		case rejected:
+			c.state, c.lastError = StateDead, errorText(cerr)
+			unresolved(cerr.Error())
+		case applied:
 			rep.Applied++
 			rc.count(ctx, "applied", c.d.Destination)
-		} else {
+		default:
 			rep.Requeued++
 			rc.count(ctx, "requeued", c.d.Destination)
 		}

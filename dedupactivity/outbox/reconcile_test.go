@@ -33,6 +33,9 @@ type receiver struct {
 	dropResponse atomic.Bool
 	// down, when set, answers 503 without running anything.
 	down atomic.Bool
+	// reject, when set, makes the handler refuse the request with 422
+	// (final: the middleware stores and replays it) and write nothing.
+	reject atomic.Bool
 }
 
 func newReceiver(t *testing.T) *receiver {
@@ -47,6 +50,10 @@ func newReceiver(t *testing.T) *receiver {
 	rv := &receiver{schema: s}
 	mux := http.NewServeMux()
 	receipts := m.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if rv.reject.Load() {
+			http.Error(w, "no such account", http.StatusUnprocessableEntity)
+			return
+		}
 		tx, _ := idemhttp.Tx(r.Context())
 		body, _ := io.ReadAll(r.Body)
 		if _, err := tx.Exec(r.Context(), `INSERT INTO receipt (idempotency_key, body) VALUES ($1, $2)`, r.Header.Get("Idempotency-Key"), string(body)); err != nil {
@@ -211,6 +218,60 @@ func TestReconcilerRequeuesDeadLettersNotApplied(t *testing.T) {
 	require.Equal(t, outbox.StateDead, rep.Unresolved[0].State)
 	require.Contains(t, rep.Unresolved[0].Reason, "re-queues")
 	require.Contains(t, rep.Unresolved[0].LastError, "503")
+}
+
+// TestReconcilerDoesNotCallRejectedApplied: the destination committed a
+// final 422 for a message (stored and replayed by idemhttp). That message
+// was not applied, and sending it again gets the same 422: the reconciler
+// makes it dead, or leaves it dead, and reports it; it is never marked
+// applied, nor re-queued.
+func TestReconcilerDoesNotCallRejectedApplied(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	rv := newReceiver(t)
+	rv.reject.Store(true)
+	keys := b.placeN(t, 2)
+	r := b.relayTo(t, rv.URL+"/receipts", outbox.RelayConfig{MinBackoff: time.Hour, MaxBackoff: time.Hour})
+
+	// keys[0]: the relay sees the 422 and makes it dead at once. keys[1]:
+	// its 422 is lost on the way back, so it stays pending, unacknowledged.
+	_, err := b.schema.Pool.Exec(context.Background(), `UPDATE dedup_outbox SET next_attempt_at = now() + interval '1 hour' WHERE idempotency_key = $1`, keys[1])
+	require.NoError(t, err)
+	res, err := r.RunOnce(context.Background())
+	require.NoError(t, err)
+	require.Equal(t, outbox.RelayResult{Dead: 1}, res)
+	_, err = b.schema.Pool.Exec(context.Background(), `UPDATE dedup_outbox SET next_attempt_at = now() WHERE idempotency_key = $1`, keys[1])
+	require.NoError(t, err)
+	rv.dropResponse.Store(true)
+	res, err = r.RunOnce(context.Background())
+	require.NoError(t, err)
+	require.Equal(t, outbox.RelayResult{Retried: 1}, res)
+	for _, k := range keys {
+		require.Zero(t, rv.applied(t, k))
+	}
+
+	rc, err := outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{Checker: rv.checker(), UnackedAfter: time.Millisecond})
+	require.NoError(t, err)
+	time.Sleep(5 * time.Millisecond) // past UnackedAfter
+	rep, err := rc.Reconcile(context.Background())
+	require.NoError(t, err)
+	require.Equal(t, 2, rep.Checked)
+	require.Zero(t, rep.Applied)
+	require.Zero(t, rep.Requeued)
+	require.Len(t, rep.Unresolved, 2)
+	for _, u := range rep.Unresolved {
+		require.Equal(t, outbox.StateDead, u.State, u.Key)
+		require.Contains(t, u.Reason, "422", u.Key)
+	}
+	require.Equal(t, 2, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'dead' AND settled_at IS NOT NULL`))
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE idempotency_key = $1 AND last_error LIKE '%rejected%422%'`, keys[1]),
+		"the unacknowledged one is dead with the destination's answer")
+
+	// Asked again, both stay dead and reported: no re-queue budget is spent.
+	rep, err = rc.Reconcile(context.Background())
+	require.NoError(t, err)
+	require.Len(t, rep.Unresolved, 2)
+	require.Equal(t, 2, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'dead' AND requeues = 0`))
 }
 
 func TestReconcilerReportsWhatItCannotAsk(t *testing.T) {

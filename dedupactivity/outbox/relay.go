@@ -365,14 +365,10 @@ WHERE id = $1 AND state = 'sending' AND attempts = $2`, d.ID, d.Attempt)
 
 // fail records a failed send: pending again after backoff, or dead.
 func (r *Relay) fail(ctx context.Context, d Delivery, state State, backoff time.Duration, sendErr error) (int64, error) {
-	msg := sendErr.Error()
-	if len(msg) > 2000 {
-		msg = msg[:2000]
-	}
 	tag, err := r.ob.pool.Exec(ctx, `UPDATE `+r.ob.table+` SET state = $3,
 	next_attempt_at = now() + make_interval(secs => $4), lease_until = NULL, last_error = $5,
 	settled_at = CASE WHEN $3 = 'dead' THEN now() END
-WHERE id = $1 AND state = 'sending' AND attempts = $2`, d.ID, d.Attempt, string(state), backoff.Seconds(), validText(msg))
+WHERE id = $1 AND state = 'sending' AND attempts = $2`, d.ID, d.Attempt, string(state), backoff.Seconds(), errorText(sendErr))
 	if err != nil {
 		return 0, fmt.Errorf("outbox: relay: record failure of %s: %w", d.Key, translate(err))
 	}

@@ -94,6 +94,16 @@ func (t *relayTelemetry) endSend(ctx context.Context, span trace.Span, d Deliver
 	span.End()
 }
 
+// errorText is err's message as last_error stores it: at most 2000 bytes,
+// storable as text.
+func errorText(err error) string {
+	msg := err.Error()
+	if len(msg) > 2000 {
+		msg = msg[:2000]
+	}
+	return validText(msg)
+}
+
 // validText makes s storable as text: invalid UTF-8 and NUL become U+FFFD.
 func validText(s string) string {
 	return strings.ReplaceAll(strings.ToValidUTF8(s, "\uFFFD"), "\x00", "\uFFFD")
