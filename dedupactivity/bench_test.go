@@ -32,17 +32,22 @@ func BenchmarkBare(b *testing.B) {
 }
 
 func benchDo(b *testing.B, opts dedupactivity.Options, duplicate bool) {
+	benchDoID(b, opts, func(key string) dedupactivity.Identity {
+		if duplicate {
+			key = "same"
+		}
+		return dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: key}
+	})
+}
+
+// benchDoID runs Do on the identity id makes of a new key each time.
+func benchDoID(b *testing.B, opts dedupactivity.Options, id func(key string) dedupactivity.Identity) {
 	tb := benchSetup(b, opts)
 	ctx := context.Background()
 	i := 0
 	for b.Loop() {
-		key := fmt.Sprint(i)
-		if duplicate {
-			key = "same"
-		}
 		i++
-		id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: key}
-		_, _, err := dedupactivity.Do(ctx, tb.d, id, Transfer{Account: "a", Amount: 1}, tb.post)
+		_, _, err := dedupactivity.Do(ctx, tb.d, id(fmt.Sprint(i)), Transfer{Account: "a", Amount: 1}, tb.post)
 		require.NoError(b, err)
 	}
 }
@@ -52,3 +57,11 @@ func BenchmarkDoDiscardResults(b *testing.B) {
 	benchDo(b, dedupactivity.Options{DiscardResults: true}, false)
 }
 func BenchmarkDoDuplicate(b *testing.B) { benchDo(b, dedupactivity.Options{}, true) }
+
+// BenchmarkDoRunScoped is a wrapped activity's first attempt: its claim
+// rides with the effect's first statement.
+func BenchmarkDoRunScoped(b *testing.B) {
+	benchDoID(b, dedupactivity.Options{}, func(key string) dedupactivity.Identity {
+		return dedupactivity.Identity{Kind: dedupactivity.KindActivity, Namespace: "default", WorkflowID: "w-" + key, RunID: "r", ActivityID: "1"}
+	})
+}

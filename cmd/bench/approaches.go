@@ -200,6 +200,7 @@ type cell struct {
 	// CPU time spent by the server (-1: unknown) and by this process.
 	serverCPU, clientCPU time.Duration
 	walBytes             int64     // WAL written; -1: unknown
+	writes               int64     // client writes to the server (the round trips)
 	perRound             []float64 // events/s of each round, in round order
 }
 
@@ -265,6 +266,7 @@ func (b *bench) load(ctx context.Context, a approach, conc int, d time.Duration,
 	events := c.events // before this round
 	wal0 := b.walBytes(ctx)
 	server0, client0 := b.cpu.read()
+	writes0 := b.writes.Load()
 	start := time.Now()
 	deadline := start.Add(d)
 	for g := range conc {
@@ -289,6 +291,7 @@ func (b *bench) load(ctx context.Context, a approach, conc int, d time.Duration,
 	}
 	wg.Wait()
 	took := time.Since(start)
+	c.writes += b.writes.Load() - writes0
 	c.elapsed += took
 	c.perRound = append(c.perRound, float64(c.events-events)/took.Seconds())
 	server1, client1 := b.cpu.read()
