@@ -492,16 +492,29 @@ func (m *marker) fingerprintInput(id Identity, in any) (err error) {
 	return err
 }
 
-// infoFor is the activity info of ctx, or, outside an activity (Do,
-// ClaimTx), an empty one naming id's activity type.
+// infoFor is the activity info of ctx (naming id's activity type if it
+// names none), or, outside an activity (Do, ClaimTx), identityInfo(id).
 func infoFor(ctx context.Context, id Identity) activity.Info {
-	var info activity.Info
 	if activity.IsActivity(ctx) {
-		info = activity.GetInfo(ctx)
+		info := activity.GetInfo(ctx)
+		if info.ActivityType.Name == "" {
+			info.ActivityType.Name = id.ActivityType
+		}
+		return info
 	}
-	if info.ActivityType.Name == "" {
-		info.ActivityType.Name = id.ActivityType
-	}
+	return identityInfo(id)
+}
+
+// identityInfo is what an activity's info would say about id: its
+// namespace, workflow run, activity ID and (for a business key) activity
+// type. Outside an activity, results are encoded with the serialization
+// context it gives.
+func identityInfo(id Identity) activity.Info {
+	var info activity.Info
+	info.Namespace = id.Namespace
+	info.WorkflowExecution.ID, info.WorkflowExecution.RunID = id.WorkflowID, id.RunID
+	info.ActivityID, info.ActivityRunID, info.ActivityType.Name = id.ActivityID, id.ActivityRunID, id.ActivityType
+	info.IsLocalActivity = id.Kind == KindLocalActivity
 	return info
 }
 

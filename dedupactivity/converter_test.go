@@ -2,6 +2,7 @@ package dedupactivity_test
 
 import (
 	"context"
+	"fmt"
 	"sync"
 	"testing"
 
@@ -40,6 +41,15 @@ func (c contextConverter) ToPayload(v any) (*commonpb.Payload, error) {
 		p.Metadata["workflow-id"] = []byte(c.workflowID)
 	}
 	return p, err
+}
+
+// FromPayload refuses a payload encoded with another workflow ID, as a
+// converter that decrypts with a key per workflow would fail.
+func (c contextConverter) FromPayload(p *commonpb.Payload, valuePtr any) error {
+	if got := string(p.Metadata["workflow-id"]); got != c.workflowID {
+		return fmt.Errorf("payload of workflow %q decoded in the context of %q", got, c.workflowID)
+	}
+	return c.DataConverter.FromPayload(p, valuePtr)
 }
 
 // TestDataConverterWithSerializationContext: a context-aware converter gets
@@ -89,4 +99,32 @@ func TestDoReturnsTheSameValueFirstAndAgain(t *testing.T) {
 	require.Equal(t, dedupactivity.OutcomeDuplicate, outcome)
 	require.Equal(t, again, first)
 	require.IsType(t, float64(0), first["n"])
+}
+
+// TestResultSerializationContext: outside an activity, Do encodes with the
+// context id gives (here its workflow ID), and Result decodes with that
+// same context wherever it is called, an activity of another workflow
+// included.
+func TestResultSerializationContext(t *testing.T) {
+	t.Parallel()
+	var seen []converter.SerializationContext
+	dc := contextConverter{DataConverter: converter.GetDefaultDataConverter(), seen: &seen, mu: &sync.Mutex{}}
+	b := setup(t, dedupactivity.Options{DataConverter: dc})
+	id := dedupactivity.Identity{Kind: dedupactivity.KindActivity, Namespace: "n", WorkflowID: "w-1", RunID: "r-1", ActivityID: "1"}
+	first, _, err := dedupactivity.Do(context.Background(), b.d, id, Transfer{Account: "a", Amount: 3}, b.post)
+	require.NoError(t, err)
+	var raw []byte
+	require.NoError(t, b.pool.QueryRow(context.Background(), `SELECT result FROM dedup_marker`).Scan(&raw))
+	require.Contains(t, string(raw), "w-1", "encoded with the identity's workflow ID")
+
+	read, err := deliver(t, "Read", func(ctx context.Context, _ int) (Posting, error) {
+		var p Posting
+		ok, err := b.d.Result(ctx, id, &p)
+		if !ok && err == nil {
+			err = fmt.Errorf("not applied")
+		}
+		return p, err
+	}, 0) // in the test environment's workflow, not w-1
+	require.NoError(t, err)
+	require.Equal(t, first, read)
 }

@@ -90,11 +90,17 @@ func (d *Deduper) Applied(ctx context.Context, id Identity) (bool, error) {
 
 // Result reads the result stored for the event id into out (a pointer, as
 // the data converter's FromPayload takes it) and says whether id was
-// applied, as Applied does. When it was not, or results are discarded, out
-// is left as it is. The result is decoded as Do decodes a duplicate's: with
-// the serialization context of ctx's activity, or outside an activity of
-// id's activity type. A destination reads with it what it answered, to tell
-// a reconciler that it refused a message rather than applied it.
+// applied, as Applied does. When it was not, or no result is stored
+// (DiscardResults), out is left as it is. A destination reads with it what
+// it answered, to tell a reconciler that it refused a message rather than
+// applied it.
+//
+// The result is decoded with the serialization context that id alone
+// gives (its namespace, workflow ID and, for a business key, activity
+// type), which is the one Do uses outside an activity, whatever ctx is. A
+// data converter that keys on more of the context (the task queue, the
+// workflow or activity type of a wrapped activity) cannot decode a
+// wrapped activity's result this way, and Result fails with ErrEncoding.
 func (d *Deduper) Result(ctx context.Context, id Identity, out any) (bool, error) {
 	enc := id.Encode()
 	if err := id.validate(enc); err != nil {
@@ -117,5 +123,5 @@ func (d *Deduper) Result(ctx context.Context, id Identity, out any) (bool, error
 	if len(b) == 0 {
 		return true, nil // results are discarded
 	}
-	return true, decodeResult(d.converter(infoFor(ctx, id)), b, out)
+	return true, decodeResult(d.converter(identityInfo(id)), b, out)
 }

@@ -77,7 +77,11 @@ type Options struct {
 
 	// DataConverter encodes the results stored for duplicates, and decodes
 	// them. Use the same converter as the worker so a payload codec (for
-	// example encryption) applies to stored results too.
+	// example encryption) applies to stored results too. A context-aware
+	// converter gets the activity's serialization context, as the SDK
+	// gives it for the activity's result; outside an activity (Do,
+	// ClaimTx, Deduper.Result), the context the identity gives: its
+	// namespace, workflow ID and, for a business key, activity type.
 	//
 	// Defaults to converter.GetDefaultDataConverter().
 	DataConverter converter.DataConverter

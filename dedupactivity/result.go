@@ -11,7 +11,7 @@ import (
 
 // converter is the Deduper's DataConverter with the activity's
 // serialization context, as the SDK applies it to activity results (outside
-// an activity, the context holds only the activity type).
+// an activity, what the identity holds: see identityInfo).
 func (d *Deduper) converter(info activity.Info) converter.DataConverter {
 	sc := converter.ActivitySerializationContext{
 		Namespace:    info.Namespace,

@@ -335,9 +335,11 @@ func (t *telemetry) end(ctx context.Context, r *record, err error) {
 // activity type, namespace, task queue and, when it failed, error.type.
 func (t *telemetry) metricAttrs(r *record, errType string) metric.MeasurementOption {
 	k := setKey{r.outcome, r.activityType, r.namespace, r.taskQueue}
+	full := true
 	if errType == "" {
 		t.setsMu.RLock()
 		o, ok := t.sets[k]
+		full = len(t.sets) >= maxCachedSets
 		t.setsMu.RUnlock()
 		if ok {
 			return o
@@ -353,11 +355,13 @@ func (t *telemetry) metricAttrs(r *record, errType string) metric.MeasurementOpt
 		return metric.WithAttributeSet(attribute.NewSet(append(kv, errorTypeKey.String(errType))...))
 	}
 	o := metric.WithAttributeSet(attribute.NewSet(kv...))
-	t.setsMu.Lock()
-	if len(t.sets) < maxCachedSets {
-		t.sets[k] = o
+	if !full {
+		t.setsMu.Lock()
+		if len(t.sets) < maxCachedSets {
+			t.sets[k] = o
+		}
+		t.setsMu.Unlock()
 	}
-	t.setsMu.Unlock()
 	return o
 }
 
