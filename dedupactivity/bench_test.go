@@ -58,8 +58,10 @@ func BenchmarkDoDiscardResults(b *testing.B) {
 }
 func BenchmarkDoDuplicate(b *testing.B) { benchDo(b, dedupactivity.Options{}, true) }
 
-// BenchmarkDoRunScoped is a wrapped activity's first attempt: its claim
-// rides with the effect's first statement.
+// BenchmarkDoRunScoped claims a run-scoped identity's first attempt, whose
+// claim rides with the effect's first statement as a wrapped activity's
+// does; Do also decodes the result it returns, which a wrapped activity
+// leaves to the SDK.
 func BenchmarkDoRunScoped(b *testing.B) {
 	benchDoID(b, dedupactivity.Options{}, func(key string) dedupactivity.Identity {
 		return dedupactivity.Identity{Kind: dedupactivity.KindActivity, Namespace: "default", WorkflowID: "w-" + key, RunID: "r", ActivityID: "1"}

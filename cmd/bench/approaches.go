@@ -200,7 +200,7 @@ type cell struct {
 	// CPU time spent by the server (-1: unknown) and by this process.
 	serverCPU, clientCPU time.Duration
 	walBytes             int64     // WAL written; -1: unknown
-	writes               int64     // client writes to the server (the round trips)
+	writes               int64     // client writes to the server during the load: the round trips, and any reconnect or prepare
 	perRound             []float64 // events/s of each round, in round order
 }
 

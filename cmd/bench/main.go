@@ -173,7 +173,7 @@ func run() error {
 		}
 		for _, c := range rep.cells {
 			server, client := c.cpuPerEvent()
-			fmt.Printf("%-40s %3d %7.0f/s  server %s µs  client %s µs  WAL %s B  %.2f writes\n", c.approach, c.conc, c.throughput(), server, client, c.walPerEvent(), float64(c.writes)/float64(c.events))
+			fmt.Printf("%-40s %3d %7.0f/s  server %s µs  client %s µs  WAL %s B  %.2f writes\n", c.approach, c.conc, c.throughput(), server, client, c.walPerEvent(), float64(c.writes)/float64(max(c.events, 1)))
 		}
 		return nil
 	}
