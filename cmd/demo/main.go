@@ -366,8 +366,8 @@ func report(ctx context.Context, w *ledgerworker.Worker, rs *receiptsService, re
 			problems = append(problems, fmt.Sprintf("%s completed but has %d receipts at the destination", r.req.TransferID, n))
 		}
 	}
-	if st.Dead > 0 {
-		problems = append(problems, fmt.Sprintf("%d dead letters in the outbox", st.Dead))
+	if st.Dead > 0 || st.Rejected > 0 {
+		problems = append(problems, fmt.Sprintf("%d dead and %d rejected messages in the outbox", st.Dead, st.Rejected))
 	}
 	want := cfg.balance * int64(len(accounts))
 	if total != want {
@@ -404,6 +404,7 @@ func report(ctx context.Context, w *ledgerworker.Worker, rs *receiptsService, re
 	fmt.Fprintf(tw, "outbox: settled by reconciler\t%d\t\n", st.Applied)
 	fmt.Fprintf(tw, "outbox: pending\t%d\t\n", st.Pending+st.Sending)
 	fmt.Fprintf(tw, "outbox: dead\t%d\t\n", st.Dead)
+	fmt.Fprintf(tw, "outbox: rejected by the destination\t%d\t\n", st.Rejected)
 	fmt.Fprintf(tw, "receipts applied at destination\t%d\t\n", receiptsApplied)
 	tw.Flush()
 	fmt.Println("(an attempt that outlived its StartToClose timeout fails when it tries to commit: counted as error or effect_error, rolled back)")

@@ -31,8 +31,8 @@
 // Options.Retention, default 30 days); Deduper.Prune removes them.
 //
 // Middleware.Applied and Middleware.StatusHandler answer "did you apply key
-// K?" for an outbox Reconciler: applied (a stored status below 400), not
-// applied (no key), or refused for good (a stored 4xx; see RejectedError).
+// K?" for an outbox Reconciler: applied (a stored 2xx), not applied (no
+// key), or refused for good (a stored 3xx or 4xx; see RejectedError).
 package idemhttp
 
 import (
@@ -262,24 +262,28 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 }
 
 // Applied says whether a request with key was applied: its handler
-// committed and answered with a stored status below 400 (see storable).
-// For a key whose stored answer is a 4xx, the request was refused for good:
-// Applied returns false and an error that matches outbox.ErrRejected and
-// names the status. Keys are known until their retention ends.
+// committed and answered with a stored 2xx status (see storable), which is
+// what outbox.HTTPSender takes for success. For a key whose stored answer
+// is a 3xx or 4xx, the request was refused for good (a resend gets the
+// same answer replayed): Applied returns false and a *RejectedError, which
+// matches outbox.ErrRejected. Keys are known until their retention ends.
+// The stored response is decoded to read its status, so Applied fails
+// (the reconciler reports the message as unknown) if the data converter can
+// no longer decode it.
 func (m *Middleware) Applied(ctx context.Context, key string) (bool, error) {
 	var r response
 	ok, err := m.d.Result(ctx, m.identity(key), &r)
 	if err != nil {
 		return false, fmt.Errorf("idemhttp: %w", err)
 	}
-	if ok && r.Status >= 400 {
+	if ok && r.Status >= 300 {
 		return false, &RejectedError{Key: key, Status: r.Status}
 	}
 	return ok, nil
 }
 
 // RejectedError is Applied's answer for a key whose request was refused
-// for good: its stored answer has a 4xx status. It matches
+// for good: its stored answer has a 3xx or 4xx status. It matches
 // outbox.ErrRejected.
 type RejectedError struct {
 	Key    string
@@ -297,8 +301,8 @@ func (e *RejectedError) Is(target error) bool { return target == outbox.ErrRejec
 // path value "key" (a route such as "GET /idempotency-keys/{key}") or the
 // query parameter "key". It answers 200 {"applied":true} when applied, 404
 // {"applied":false} when not, 409 {"applied":false,"status":N} when the
-// request was refused for good with the 4xx status N, and 500 when it
-// cannot tell. outbox.HTTPChecker reads it.
+// request was refused for good with the 3xx or 4xx status N, and 500 when
+// it cannot tell. outbox.HTTPChecker reads it.
 func (m *Middleware) StatusHandler() http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		key := r.PathValue("key")

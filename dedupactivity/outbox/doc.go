@@ -38,7 +38,8 @@
 //
 // A Reconciler asks destinations (a Checker: "did you apply key K?") about
 // messages the relay cannot settle: unacknowledged past a bound, and dead.
-// It marks them applied, re-queues them, or reports them in its
+// It marks them applied, re-queues them, marks them rejected when the
+// destination refused them for good (ErrRejected), or reports them in its
 // ReconcileReport. Run it from a Schedule (RegisterReconciler,
 // EnsureReconcileSchedule).
 //

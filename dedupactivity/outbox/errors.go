@@ -34,9 +34,10 @@ var (
 
 	// ErrRejected is returned (wrapped) by a Checker when the destination
 	// knows the message's key and refused the message for good (an HTTP
-	// 4xx it stored and replays): neither applied nor worth sending again.
-	// The reconciler makes the message dead and reports it. HTTPChecker
-	// returns it for a 409 answer, which idemhttp's StatusHandler gives.
+	// 3xx or 4xx it stored and replays): neither applied nor worth sending again.
+	// The reconciler moves the message to StateRejected. HTTPChecker
+	// returns it for idemhttp's StatusHandler answer to such a key (409
+	// with the refusal's status in its body).
 	ErrRejected = errors.New("outbox: rejected by the destination")
 
 	// ErrUnknownDestination is returned (wrapping ErrPermanent) by

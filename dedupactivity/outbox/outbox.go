@@ -41,8 +41,8 @@ type Options struct {
 	Table string
 
 	// Retention is how long Prune keeps sent and applied messages after
-	// they settled. Dead messages are never pruned: the reconciler or a
-	// person settles them first.
+	// they settled. Dead and rejected messages are never pruned: the
+	// reconciler or a person settles them first.
 	//
 	// Defaults to DefaultRetention (30 days).
 	Retention time.Duration
@@ -237,11 +237,17 @@ const (
 	// StateDead: it failed permanently or MaxAttempts times; LastError says
 	// why. The reconciler may re-queue it.
 	StateDead State = "dead"
+	// StateRejected: the reconciler found that the destination refused it
+	// for good (ErrRejected: it knows the key and gave a final answer, a
+	// 3xx or 4xx over HTTP, that a resend would only replay); LastError
+	// holds that answer.
+	// Nothing sends or asks about it again.
+	StateRejected State = "rejected"
 )
 
 // Stats counts the outbox's messages.
 type Stats struct {
-	Pending, Sending, Sent, Applied, Dead int64
+	Pending, Sending, Sent, Applied, Dead, Rejected int64
 	// Resends is the number of sends beyond each message's first.
 	Resends int64
 	// OldestPendingAge is the age of the oldest pending or sending message
@@ -250,7 +256,9 @@ type Stats struct {
 }
 
 // Enqueued is the number of messages in the outbox.
-func (s Stats) Enqueued() int64 { return s.Pending + s.Sending + s.Sent + s.Applied + s.Dead }
+func (s Stats) Enqueued() int64 {
+	return s.Pending + s.Sending + s.Sent + s.Applied + s.Dead + s.Rejected
+}
 
 // Stats counts the messages by state, in one query.
 func (ob *Outbox) Stats(ctx context.Context) (Stats, error) {
@@ -259,10 +267,10 @@ func (ob *Outbox) Stats(ctx context.Context) (Stats, error) {
 	err := ob.pool.QueryRow(ctx, `SELECT
 	count(*) FILTER (WHERE state = 'pending'), count(*) FILTER (WHERE state = 'sending'),
 	count(*) FILTER (WHERE state = 'sent'), count(*) FILTER (WHERE state = 'applied'),
-	count(*) FILTER (WHERE state = 'dead'),
+	count(*) FILTER (WHERE state = 'dead'), count(*) FILTER (WHERE state = 'rejected'),
 	coalesce(sum(greatest(attempts - 1, 0)), 0),
 	coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE state IN ('pending', 'sending'))), 0)::float8
-FROM `+ob.table).Scan(&s.Pending, &s.Sending, &s.Sent, &s.Applied, &s.Dead, &s.Resends, &age)
+FROM `+ob.table).Scan(&s.Pending, &s.Sending, &s.Sent, &s.Applied, &s.Dead, &s.Rejected, &s.Resends, &age)
 	if err != nil {
 		return s, fmt.Errorf("outbox: stats: %w", translate(err))
 	}
@@ -275,8 +283,8 @@ const pruneBatchSize = 1000
 
 // Prune deletes sent and applied messages that settled more than
 // Options.Retention ago, in batches of pruneBatchSize (each its own short
-// transaction, skipping rows locked by others). Pending, sending and dead
-// messages are kept. It returns how many it deleted.
+// transaction, skipping rows locked by others). Pending, sending, dead and
+// rejected messages are kept. It returns how many it deleted.
 func (ob *Outbox) Prune(ctx context.Context) (int64, error) {
 	var deleted int64
 	for {

@@ -1,8 +1,8 @@
 package outbox
 
 import (
-	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -21,8 +21,8 @@ import (
 // Checker asks a destination whether it applied a message: "did you apply
 // key K?". It returns true or false when the destination knows; an error
 // wrapping ErrRejected when it knows the key and refused the message for
-// good (the message is made dead and reported); and any other error when
-// the answer is unknown (the destination is down, say): the message is then
+// good (the message becomes StateRejected); and any other error when the
+// answer is unknown (the destination is down, say): the message is then
 // reported, not changed.
 type Checker interface {
 	Applied(ctx context.Context, d Delivery) (bool, error)
@@ -35,9 +35,10 @@ type CheckerFunc func(ctx context.Context, d Delivery) (bool, error)
 func (f CheckerFunc) Applied(ctx context.Context, d Delivery) (bool, error) { return f(ctx, d) }
 
 // HTTPChecker asks over HTTP: a GET of URL(destination, key) answered 200
-// means applied, 404 means not applied, 409 means refused for good
-// (ErrRejected), anything else is unknown. The idemhttp package's
-// Middleware.StatusHandler answers this way.
+// means applied, 404 means not applied, 409 with the JSON body
+// {"applied":false,"status":N} (N a 3xx or 4xx status) means refused for
+// good with status N (ErrRejected), anything else is unknown. The idemhttp
+// package's Middleware.StatusHandler answers this way.
 type HTTPChecker struct {
 	// URL returns the status URL of key at destination; "" means the
 	// destination cannot be asked (unknown).
@@ -71,8 +72,16 @@ func (c HTTPChecker) Applied(ctx context.Context, d Delivery) (bool, error) {
 	case http.StatusNotFound:
 		return false, nil
 	case http.StatusConflict:
-		body, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
-		return false, fmt.Errorf("%w: check %s: status %d: %s", ErrRejected, d.Key, resp.StatusCode, bytes.TrimSpace(body))
+		// Only with a refusal's status in the body: a bare 409 is also how
+		// a server says "still in progress".
+		var refusal struct {
+			Applied *bool `json:"applied"`
+			Status  int   `json:"status"`
+		}
+		err := json.NewDecoder(io.LimitReader(resp.Body, 4096)).Decode(&refusal)
+		if err == nil && refusal.Applied != nil && !*refusal.Applied && refusal.Status >= 300 && refusal.Status < 500 {
+			return false, fmt.Errorf("%w: check %s: the destination answered it %d", ErrRejected, d.Key, refusal.Status)
+		}
 	}
 	return false, fmt.Errorf("outbox: check %s: status %d", d.Key, resp.StatusCode)
 }
@@ -129,8 +138,8 @@ type ReconcilerConfig struct {
 // Reconciler settles what a relay cannot settle alone: messages sent but not
 // acknowledged for longer than UnackedAfter, and dead messages. For each it
 // asks the destination (Checker) and marks the message applied, re-queues
-// it, or reports it (a message the destination refused for good is made
-// dead first).
+// it, marks it rejected (the destination refused it for good), or reports
+// it.
 type Reconciler struct {
 	ob         *Outbox
 	cfg        ReconcilerConfig
@@ -187,6 +196,9 @@ type ReconcileReport struct {
 	// Requeued counts messages the destination had not applied, now due
 	// for another send (dead ones with a fresh attempt budget).
 	Requeued int
+	// Rejected counts messages the destination refused for good
+	// (ErrRejected), now StateRejected.
+	Rejected int
 	// Unresolved lists the messages left as they were, and why.
 	Unresolved []Unresolved
 }
@@ -198,9 +210,8 @@ type Unresolved struct {
 	State       State
 	Attempts    int
 	LastError   string
-	// Reason says why: the check failed (unknown), a dead message ran out
-	// of re-queues, or the destination refused the message for good
-	// (ErrRejected's message; such a message is dead, with it as LastError).
+	// Reason says why: the check failed (unknown), or a dead message ran
+	// out of re-queues.
 	Reason string
 }
 
@@ -216,6 +227,7 @@ func (rc *Reconciler) Reconcile(ctx context.Context) (rep ReconcileReport, err e
 			attrInt("dedup.outbox.reconcile.checked", rep.Checked),
 			attrInt("dedup.outbox.reconcile.applied", rep.Applied),
 			attrInt("dedup.outbox.reconcile.requeued", rep.Requeued),
+			attrInt("dedup.outbox.reconcile.rejected", rep.Rejected),
 			attrInt("dedup.outbox.reconcile.unresolved", len(rep.Unresolved)))
 		if err != nil {
 			span.RecordError(err)
@@ -278,11 +290,8 @@ ORDER BY (state = 'dead' AND requeues >= $3), id LIMIT $2`, rc.cfg.UnackedAfter.
 		var sql string
 		args := []any{c.d.ID, string(c.state), c.d.Attempt}
 		switch {
-		case rejected && c.state == StateDead:
-			unresolved(cerr.Error())
-			continue
 		case rejected:
-			sql = `UPDATE ` + t + ` SET state = 'dead', settled_at = now(), lease_until = NULL, unacked_since = NULL, last_error = $4
+			sql = `UPDATE ` + t + ` SET state = 'rejected', settled_at = now(), lease_until = NULL, unacked_since = NULL, last_error = $4
 WHERE id = $1 AND state = $2 AND attempts = $3`
 			args = append(args, errorText(cerr))
 		case applied:
@@ -308,8 +317,8 @@ WHERE id = $1 AND state = $2 AND attempts = $3`
 		}
 		switch {
 		case rejected:
-			c.state, c.lastError = StateDead, errorText(cerr)
-			unresolved(cerr.Error())
+			rep.Rejected++
+			rc.count(ctx, "rejected", c.d.Destination)
 		case applied:
 			rep.Applied++
 			rc.count(ctx, "applied", c.d.Destination)

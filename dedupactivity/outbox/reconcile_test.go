@@ -13,6 +13,8 @@ import (
 
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/attribute"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.temporal.io/sdk/testsuite"
@@ -221,57 +223,115 @@ func TestReconcilerRequeuesDeadLettersNotApplied(t *testing.T) {
 }
 
 // TestReconcilerDoesNotCallRejectedApplied: the destination committed a
-// final 422 for a message (stored and replayed by idemhttp). That message
-// was not applied, and sending it again gets the same 422: the reconciler
-// makes it dead, or leaves it dead, and reports it; it is never marked
-// applied, nor re-queued.
+// final 422 for messages (stored and replayed by idemhttp). They were not
+// applied, and sending them again gets the same 422: the reconciler marks
+// them rejected, whether the relay saw the 422 (dead), lost it (pending,
+// unacknowledged), or died before recording it (sending, lease expired);
+// it never marks them applied, re-queues them, or asks about them again.
 func TestReconcilerDoesNotCallRejectedApplied(t *testing.T) {
 	t.Parallel()
+	ctx := context.Background()
 	b := setup(t)
 	rv := newReceiver(t)
 	rv.reject.Store(true)
-	keys := b.placeN(t, 2)
+	keys := b.placeN(t, 3)
 	r := b.relayTo(t, rv.URL+"/receipts", outbox.RelayConfig{MinBackoff: time.Hour, MaxBackoff: time.Hour})
+	due := func(k string, when string) {
+		t.Helper()
+		_, err := b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET next_attempt_at = now() + $2::interval WHERE idempotency_key = $1`, k, when)
+		require.NoError(t, err)
+	}
 
-	// keys[0]: the relay sees the 422 and makes it dead at once. keys[1]:
-	// its 422 is lost on the way back, so it stays pending, unacknowledged.
-	_, err := b.schema.Pool.Exec(context.Background(), `UPDATE dedup_outbox SET next_attempt_at = now() + interval '1 hour' WHERE idempotency_key = $1`, keys[1])
-	require.NoError(t, err)
-	res, err := r.RunOnce(context.Background())
+	// keys[0]: the relay sees the 422 and makes it dead at once.
+	due(keys[1], "1 hour")
+	due(keys[2], "1 hour")
+	res, err := r.RunOnce(ctx)
 	require.NoError(t, err)
 	require.Equal(t, outbox.RelayResult{Dead: 1}, res)
-	_, err = b.schema.Pool.Exec(context.Background(), `UPDATE dedup_outbox SET next_attempt_at = now() WHERE idempotency_key = $1`, keys[1])
-	require.NoError(t, err)
+	// keys[1] and keys[2]: their 422s are lost on the way back; keys[2]'s
+	// relay then "dies" with the message leased.
+	due(keys[1], "0")
+	due(keys[2], "0")
 	rv.dropResponse.Store(true)
-	res, err = r.RunOnce(context.Background())
+	res, err = r.RunOnce(ctx)
 	require.NoError(t, err)
-	require.Equal(t, outbox.RelayResult{Retried: 1}, res)
+	require.Equal(t, outbox.RelayResult{Retried: 2}, res)
+	_, err = b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET state = 'sending', lease_until = now() - interval '1 second' WHERE idempotency_key = $1`, keys[2])
+	require.NoError(t, err)
 	for _, k := range keys {
 		require.Zero(t, rv.applied(t, k))
 	}
 
-	rc, err := outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{Checker: rv.checker(), UnackedAfter: time.Millisecond})
+	reader := sdkmetric.NewManualReader()
+	rc, err := outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{Checker: rv.checker(), UnackedAfter: time.Millisecond,
+		MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))})
 	require.NoError(t, err)
 	time.Sleep(5 * time.Millisecond) // past UnackedAfter
-	rep, err := rc.Reconcile(context.Background())
+	rep, err := rc.Reconcile(ctx)
 	require.NoError(t, err)
-	require.Equal(t, 2, rep.Checked)
-	require.Zero(t, rep.Applied)
-	require.Zero(t, rep.Requeued)
-	require.Len(t, rep.Unresolved, 2)
-	for _, u := range rep.Unresolved {
-		require.Equal(t, outbox.StateDead, u.State, u.Key)
-		require.Contains(t, u.Reason, "422", u.Key)
-	}
-	require.Equal(t, 2, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'dead' AND settled_at IS NOT NULL`))
-	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE idempotency_key = $1 AND last_error LIKE '%rejected%422%'`, keys[1]),
-		"the unacknowledged one is dead with the destination's answer")
+	require.Equal(t, outbox.ReconcileReport{Checked: 3, Rejected: 3}, rep)
+	require.Equal(t, 3, b.count(t, `SELECT count(*) FROM dedup_outbox
+WHERE state = 'rejected' AND settled_at IS NOT NULL AND lease_until IS NULL AND last_error LIKE '%answered it 422%' AND requeues = 0`))
+	st, err := b.ob.Stats(ctx)
+	require.NoError(t, err)
+	require.Equal(t, int64(3), st.Rejected)
+	require.Equal(t, int64(3), st.Enqueued())
+	require.Equal(t, map[string]int64{"rejected": 3}, reconciled(t, reader))
 
-	// Asked again, both stay dead and reported: no re-queue budget is spent.
-	rep, err = rc.Reconcile(context.Background())
+	// Settled: nothing is asked about or sent again.
+	rep, err = rc.Reconcile(ctx)
 	require.NoError(t, err)
-	require.Len(t, rep.Unresolved, 2)
-	require.Equal(t, 2, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'dead' AND requeues = 0`))
+	require.Zero(t, rep.Checked)
+	rv.dropResponse.Store(false)
+	res, err = r.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Zero(t, res)
+}
+
+// reconciled sums MetricReconciled by action.
+func reconciled(t *testing.T, reader *sdkmetric.ManualReader) map[string]int64 {
+	t.Helper()
+	var rm metricdata.ResourceMetrics
+	require.NoError(t, reader.Collect(context.Background(), &rm))
+	got := map[string]int64{}
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if m.Name != outbox.MetricReconciled {
+				continue
+			}
+			for _, dp := range m.Data.(metricdata.Sum[int64]).DataPoints {
+				v, _ := dp.Attributes.Value(outbox.ReconcileActionKey)
+				got[v.AsString()] += dp.Value
+			}
+		}
+	}
+	return got
+}
+
+// TestHTTPCheckerRejectedOnlyWithTheRefusal: a 409 is a refusal only with
+// the refused request's status in its body; a bare 409 (a server still
+// processing the key, say) is an unknown answer.
+func TestHTTPCheckerRejectedOnlyWithTheRefusal(t *testing.T) {
+	t.Parallel()
+	bodies := map[string]string{
+		"refused":     `{"applied":false,"status":422}`,
+		"bare":        ``,
+		"in-progress": `{"error":"still processing"}`,
+		"no-status":   `{"applied":false}`,
+		"server":      `{"applied":false,"status":503}`,
+	}
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(http.StatusConflict)
+		_, _ = io.WriteString(w, bodies[r.URL.Path[1:]])
+	}))
+	t.Cleanup(srv.Close)
+	c := outbox.HTTPChecker{URL: func(_, key string) string { return srv.URL + "/" + key }}
+	for key := range bodies {
+		applied, err := c.Applied(context.Background(), outbox.Delivery{Key: key, Destination: "d"})
+		require.False(t, applied, key)
+		require.Error(t, err, key)
+		require.Equal(t, key == "refused", errors.Is(err, outbox.ErrRejected), "%s: %v", key, err)
+	}
 }
 
 func TestReconcilerReportsWhatItCannotAsk(t *testing.T) {

@@ -28,7 +28,7 @@ const (
 	// AttemptKey is the message's send count, this send included.
 	AttemptKey = attribute.Key("dedup.outbox.attempt")
 	// ReconcileActionKey is what the reconciler did with a message:
-	// applied, requeued or unresolved.
+	// applied, requeued, rejected or unresolved.
 	ReconcileActionKey = attribute.Key("dedup.outbox.reconcile.action")
 )
 

@@ -12,9 +12,10 @@ CREATE TABLE IF NOT EXISTS dedup_outbox (
     payload         bytea       NOT NULL,
     -- pending: to send at next_attempt_at; sending: leased by a relay until
     -- lease_until; sent: the destination acknowledged; applied: the
-    -- reconciler found it applied at the destination; dead: gave up.
+    -- reconciler found it applied at the destination; dead: gave up;
+    -- rejected: the reconciler found the destination refused it for good.
     state           text        NOT NULL DEFAULT 'pending'
-                                CHECK (state IN ('pending', 'sending', 'sent', 'applied', 'dead')),
+                                CHECK (state IN ('pending', 'sending', 'sent', 'applied', 'dead', 'rejected')),
     -- Sends so far (also the lease's fencing token: it only grows).
     attempts        integer     NOT NULL DEFAULT 0,
     -- Sends since the message was enqueued or last re-queued by the reconciler.
