@@ -12,3 +12,6 @@ var RelayWorkflow = relayWorkflow
 func RelayActivityName(r *Relay) string { return r.relayActivityName() }
 
 func ReconcileActivityName(rc *Reconciler) string { return rc.reconcileActivityName() }
+
+// BacklogQuery is the relay's count of unsettled messages after each pass.
+func BacklogQuery(ob *Outbox) string { return ob.backlogQuery() }

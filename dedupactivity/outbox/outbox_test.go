@@ -8,6 +8,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -317,4 +318,33 @@ func (d *destination) total() (requests, keys int) {
 		requests += n
 	}
 	return requests, len(d.received)
+}
+
+// TestBacklogUsesTheStateIndexes: the count the relay records after every
+// pass reads the unsettled messages through their partial indexes, not the
+// sent and applied ones the table keeps for Retention (an IN list over the
+// states would scan them all).
+func TestBacklogUsesTheStateIndexes(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	_, err := b.schema.Pool.Exec(ctx, `INSERT INTO dedup_outbox (idempotency_key, event_key, destination, name, payload, state, settled_at)
+SELECT 'k' || g, '', 'receipts', 'receipt', '\x00', CASE WHEN g % 1000 = 0 THEN 'pending' WHEN g % 1000 = 1 THEN 'dead' ELSE 'sent' END, now()
+FROM generate_series(1, 50000) g`)
+	require.NoError(t, err)
+	_, err = b.schema.Pool.Exec(ctx, `ANALYZE dedup_outbox`)
+	require.NoError(t, err)
+	var plan strings.Builder
+	rows, err := b.schema.Pool.Query(ctx, `EXPLAIN `+outbox.BacklogQuery(b.ob))
+	require.NoError(t, err)
+	for rows.Next() {
+		var line string
+		require.NoError(t, rows.Scan(&line))
+		plan.WriteString(line + "\n")
+	}
+	require.NoError(t, rows.Err())
+	require.NotContains(t, plan.String(), "Seq Scan", plan.String())
+	for _, idx := range []string{"dedup_outbox_due_idx", "dedup_outbox_lease_idx", "dedup_outbox_dead_idx", "dedup_outbox_rejected_idx"} {
+		require.Contains(t, plan.String(), idx)
+	}
 }

@@ -74,8 +74,8 @@ type RelayConfig struct {
 	// Defaults to otel.GetTracerProvider().
 	TracerProvider trace.TracerProvider
 
-	// MeterProvider creates the meter for MetricDeliveries and
-	// MetricOldestPendingAge.
+	// MeterProvider creates the meter for MetricDeliveries,
+	// MetricOldestPendingAge and MetricMessages.
 	//
 	// Defaults to otel.GetMeterProvider().
 	MeterProvider metric.MeterProvider
@@ -222,7 +222,7 @@ func (r *Relay) runOnce(ctx context.Context, progress func(RelayResult)) (RelayR
 	if err := r.ob.pool.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&passStart); err != nil {
 		return res, fmt.Errorf("outbox: relay: %w", err)
 	}
-	defer r.recordOldest(ctx)
+	defer r.recordBacklog(ctx)
 	for {
 		// The lease's end by this process's clock, taken before the claim:
 		// it comes no later than the end the database records, whatever
@@ -404,12 +404,20 @@ func (r *Relay) backoff(tries int) time.Duration {
 	return b/2 + rand.N(b/2+1)
 }
 
-func (r *Relay) recordOldest(ctx context.Context) {
+// recordBacklog records MetricOldestPendingAge and MetricMessages, best
+// effort: a failed query records nothing.
+func (r *Relay) recordBacklog(ctx context.Context) {
 	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 	defer cancel()
-	var age float64
-	if err := r.ob.pool.QueryRow(rctx, `SELECT coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8
-FROM `+r.ob.table+` WHERE state IN ('pending', 'sending')`).Scan(&age); err == nil {
-		r.tel.oldest.Record(rctx, age)
+	b, err := r.ob.backlog(rctx)
+	if err != nil {
+		return
+	}
+	r.tel.oldest.Record(rctx, b.oldestPendingAge.Seconds())
+	for _, s := range []struct {
+		state State
+		n     int64
+	}{{StatePending, b.pending}, {StateSending, b.sending}, {StateDead, b.dead}, {StateRejected, b.rejected}} {
+		r.tel.messages.Record(rctx, s.n, metric.WithAttributes(StateKey.String(string(s.state))))
 	}
 }

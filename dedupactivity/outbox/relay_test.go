@@ -380,6 +380,7 @@ func TestRelayTelemetry(t *testing.T) {
 	require.NoError(t, reader.Collect(context.Background(), &rm))
 	counts := map[string]int64{}
 	var oldest float64 = -1
+	messages := map[string]int64{}
 	for _, sm := range rm.ScopeMetrics {
 		for _, m := range sm.Metrics {
 			switch m.Name {
@@ -391,11 +392,17 @@ func TestRelayTelemetry(t *testing.T) {
 				}
 			case outbox.MetricOldestPendingAge:
 				oldest = m.Data.(metricdata.Gauge[float64]).DataPoints[0].Value
+			case outbox.MetricMessages:
+				for _, dp := range m.Data.(metricdata.Gauge[int64]).DataPoints {
+					st, _ := dp.Attributes.Value(outbox.StateKey)
+					messages[st.AsString()] = dp.Value
+				}
 			}
 		}
 	}
 	require.Equal(t, map[string]int64{"receipts/delivered": 1, "receipts/retried": 1, "receipts/dead": 1}, counts)
 	require.Greater(t, oldest, 0.0, "the retried message is still pending")
+	require.Equal(t, map[string]int64{"pending": 1, "sending": 0, "dead": 1, "rejected": 0}, messages)
 }
 
 func activityNamed(name string) activity.RegisterOptions { return activity.RegisterOptions{Name: name} }

@@ -30,6 +30,8 @@ const (
 	// ReconcileActionKey is what the reconciler did with a message:
 	// applied, requeued, rejected or unresolved.
 	ReconcileActionKey = attribute.Key("dedup.outbox.reconcile.action")
+	// StateKey is a message state (State) in MetricMessages.
+	StateKey = attribute.Key("dedup.outbox.state")
 )
 
 // Metric names.
@@ -41,6 +43,11 @@ const (
 	// not yet delivered (pending or sending), recorded after every relay
 	// pass.
 	MetricOldestPendingAge = "dedup.outbox.oldest_pending_age"
+	// MetricMessages is the number of messages in each state that waits
+	// for the relay (pending, sending) or for a person or the reconciler
+	// (dead, rejected), by dedup.outbox.state, recorded after every relay
+	// pass. Unit {message}.
+	MetricMessages = "dedup.outbox.messages"
 	// MetricReconciled counts messages the reconciler settled or reported,
 	// by dedup.outbox.reconcile.action and dedup.outbox.destination.
 	MetricReconciled = "dedup.outbox.reconciled"
@@ -59,6 +66,7 @@ type relayTelemetry struct {
 	tracer     trace.Tracer
 	deliveries metric.Int64Counter
 	oldest     metric.Float64Gauge
+	messages   metric.Int64Gauge
 }
 
 func newRelayTelemetry(tp trace.TracerProvider, mp metric.MeterProvider) (*relayTelemetry, error) {
@@ -72,6 +80,11 @@ func newRelayTelemetry(tp trace.TracerProvider, mp metric.MeterProvider) (*relay
 	if t.oldest, err = meter.Float64Gauge(MetricOldestPendingAge,
 		metric.WithDescription("Age of the oldest outbox message not yet delivered."), metric.WithUnit("s")); err != nil {
 		return nil, fmt.Errorf("outbox: create %s: %w", MetricOldestPendingAge, err)
+	}
+	if t.messages, err = meter.Int64Gauge(MetricMessages,
+		metric.WithDescription("Outbox messages waiting for the relay (pending, sending) or for a person or the reconciler (dead, rejected), by state."),
+		metric.WithUnit("{message}")); err != nil {
+		return nil, fmt.Errorf("outbox: create %s: %w", MetricMessages, err)
 	}
 	return t, nil
 }

@@ -15,10 +15,11 @@ import (
 )
 
 // checkDashboard runs every query of the Grafana dashboard against p, which
-// scrapes a worker that has claimed, duplicated and pruned: each query must
-// parse and run, every dedup_* name in it must be a metric or a label the
-// worker emitted, every dedup_outcome value an Outcome, and the panels on
-// attempts, duplicates and latencies must return data.
+// scrapes a worker that has claimed, duplicated, pruned, relayed outbox
+// messages and reconciled one: each query must parse and run, every dedup_*
+// name in it must be a metric or a label the worker emitted, every
+// dedup_outcome value an Outcome, and the panels on attempts, duplicates,
+// latencies and the outbox's sends and backlog must return data.
 func checkDashboard(t *testing.T, p *obstest.Prometheus) {
 	t.Helper()
 	ctx := context.Background()
@@ -50,7 +51,8 @@ func checkDashboard(t *testing.T, p *obstest.Prometheus) {
 		}
 	}
 	for _, m := range []string{"dedup_attempts_total", "dedup_claim_duration_seconds_bucket", "dedup_effect_duration_seconds_bucket",
-		"dedup_markers_pruned_total", "dedup_marker_oldest_age_seconds"} {
+		"dedup_markers_pruned_total", "dedup_marker_oldest_age_seconds",
+		"dedup_outbox_deliveries_total", "dedup_outbox_messages", "dedup_outbox_oldest_pending_age_seconds", "dedup_outbox_reconciled_total"} {
 		require.True(t, emitted[m], "the worker emitted %s", m)
 	}
 	outcomes := map[string]bool{}
@@ -61,8 +63,10 @@ func checkDashboard(t *testing.T, p *obstest.Prometheus) {
 
 	vars := strings.NewReplacer(`"$namespace"`, `".*"`, `"$task_queue"`, `".*"`, `"$table"`, `".*"`, `$__rate_interval`, `1m`)
 	withData := map[string]bool{"Attempts by outcome, per activity type": true, "Duplicate ratio": true,
-		"Claim wait p50 / p99": true, "Effect duration p50 / p99": true, "Oldest marker age": true}
-	// (Markers pruned: increase() needs two samples after the one prune.)
+		"Claim wait p50 / p99": true, "Effect duration p50 / p99": true, "Oldest marker age": true,
+		"Outbox sends by result": true, "Outbox messages waiting": true, "Oldest undelivered outbox message": true}
+	// (Markers pruned and reconciler actions: increase() needs two samples
+	// after the one prune or reconcile.)
 	exprs := 0
 	for _, panel := range dash.Panels {
 		for _, target := range panel.Targets {
@@ -85,5 +89,5 @@ func checkDashboard(t *testing.T, p *obstest.Prometheus) {
 			}
 		}
 	}
-	require.GreaterOrEqual(t, exprs, 10)
+	require.GreaterOrEqual(t, exprs, 14)
 }

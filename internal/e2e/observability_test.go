@@ -3,6 +3,7 @@ package e2e
 import (
 	"context"
 	"fmt"
+	"net/http/httptest"
 	"testing"
 	"time"
 
@@ -13,6 +14,7 @@ import (
 	"github.com/dedupactivity/dedupactivity/internal/ledgerworker"
 	"github.com/dedupactivity/dedupactivity/internal/obstest"
 	"github.com/dedupactivity/dedupactivity/internal/pgtest"
+	"github.com/dedupactivity/dedupactivity/internal/receipts"
 	"github.com/dedupactivity/dedupactivity/internal/temporaltest"
 	"github.com/dedupactivity/dedupactivity/workflows"
 )
@@ -42,10 +44,19 @@ func TestObservabilityBackends(t *testing.T) {
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = p.Stop() })
 
+	// The receipts service (its own schema), so Credit's receipts go
+	// through the outbox and the relay's metrics have values.
+	dest := pgtest.NewSchema(t)
+	svc, err := receipts.New(dest.Pool)
+	require.NoError(t, err)
+	require.NoError(t, svc.Migrate(ctx))
+	rs := httptest.NewServer(svc.Handler())
+	t.Cleanup(rs.Close)
+
 	s := pgtest.NewSchema(t)
 	taskQueue := "tq-" + randomHex()
 	w, err := ledgerworker.Start(ctx, ledgerworker.Config{
-		TemporalAddress: srv.Address, Namespace: temporaltest.Namespace, TaskQueue: taskQueue, DatabaseURL: s.URL,
+		TemporalAddress: srv.Address, Namespace: temporaltest.Namespace, TaskQueue: taskQueue, DatabaseURL: s.URL, ReceiptsURL: rs.URL,
 	}, tel)
 	require.NoError(t, err)
 	t.Cleanup(w.Stop)
@@ -109,6 +120,26 @@ func TestObservabilityBackends(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, int64(1), n)
 	require.Eventually(t, func() bool { return len(query(`dedup_markers_pruned_total`)) > 0 }, 30*time.Second, 250*time.Millisecond)
+
+	// The outbox: the relay delivered the three receipts; one, made a dead
+	// letter by hand, the reconciler finds applied at the destination.
+	countSQL := func(q string) int {
+		var n int
+		require.NoError(t, s.Pool.QueryRow(ctx, q).Scan(&n))
+		return n
+	}
+	require.Eventually(t, func() bool { return countSQL(`SELECT count(*) FROM dedup_outbox WHERE state = 'sent'`) == 3 }, 30*time.Second, 100*time.Millisecond)
+	_, err = s.Pool.Exec(ctx, `UPDATE dedup_outbox SET state = 'dead', last_error = 'by hand' WHERE id = (SELECT min(id) FROM dedup_outbox)`)
+	require.NoError(t, err)
+	// (The worker's reconcile Schedule may settle it first: either way the
+	// message is applied and counted once.)
+	_, err = w.Reconciler.Reconcile(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 1, countSQL(`SELECT count(*) FROM dedup_outbox WHERE state = 'applied'`))
+	require.Eventually(t, func() bool {
+		return len(query(`dedup_outbox_reconciled_total{dedup_outbox_reconcile_action="applied"} == 1`)) > 0 &&
+			len(query(`dedup_outbox_deliveries_total{dedup_outbox_result="delivered"} == 3`)) > 0
+	}, 30*time.Second, 250*time.Millisecond)
 	checkDashboard(t, p)
 
 	// Jaeger: flush the spans, then find one trace holding both children.

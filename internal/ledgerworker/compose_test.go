@@ -19,6 +19,7 @@ type compose struct {
 		Environment map[string]string `yaml:"environment"`
 		Ports       []string          `yaml:"ports"`
 		Volumes     []string          `yaml:"volumes"`
+		Command     []string          `yaml:"command"`
 		Healthcheck *struct {
 			Test []string `yaml:"test"`
 		} `yaml:"healthcheck"`
@@ -86,7 +87,7 @@ func TestComposeWiring(t *testing.T) {
 	// containerPort is the port a service listens on inside the network.
 	containerPort := map[string]map[string]bool{
 		"postgres": {"5432": true}, "temporal": {"7233": true}, "jaeger": {"4317": true, "4318": true, "16686": true},
-		"prometheus": {"9090": true},
+		"prometheus": {"9090": true}, "receipts": {"8081": true},
 	}
 	hostPort := func(name, hp string) {
 		t.Helper()
@@ -107,6 +108,19 @@ func TestComposeWiring(t *testing.T) {
 	require.NoError(t, err)
 	hostPort("OTEL_EXPORTER_OTLP_ENDPOINT", otlp.Host)
 	require.Equal(t, ledgerworker.DefaultNamespace, worker.Environment["TEMPORAL_NAMESPACE"])
+
+	// The outbox's destination: the receipts service, listening where
+	// RECEIPTS_URL points, on the database receipts-db creates.
+	receiptsURL, err := url.Parse(worker.Environment["RECEIPTS_URL"])
+	require.NoError(t, err)
+	hostPort("RECEIPTS_URL", receiptsURL.Host)
+	rs := c.Services["receipts"]
+	require.Contains(t, strings.Join(rs.Command, " "), "-addr 0.0.0.0:"+receiptsURL.Port())
+	rdb, err := url.Parse(rs.Environment["DATABASE_URL"])
+	require.NoError(t, err)
+	hostPort("receipts DATABASE_URL", rdb.Host)
+	require.Contains(t, strings.Join(c.Services["receipts-db"].Command, " "), `CREATE DATABASE `+strings.TrimPrefix(rdb.Path, "/"))
+	require.Equal(t, "service_completed_successfully", rs.DependsOn["receipts-db"].Condition)
 
 	// Prometheus scrapes the worker where METRICS_ADDR listens.
 	_, metricsPort, err := net.SplitHostPort(worker.Environment["METRICS_ADDR"])

@@ -263,9 +263,10 @@ type Worker struct {
 	Pool    *pgxpool.Pool
 	Deduper *dedupactivity.Deduper
 	Worker  worker.Worker
-	// Outbox and Relay are set when Config.ReceiptsURL is.
-	Outbox *outbox.Outbox
-	Relay  *outbox.Relay
+	// Outbox, Relay and Reconciler are set when Config.ReceiptsURL is.
+	Outbox     *outbox.Outbox
+	Relay      *outbox.Relay
+	Reconciler *outbox.Reconciler
 
 	stopRelay func()
 }
@@ -385,7 +386,7 @@ func Start(ctx context.Context, cfg Config, tel *Telemetry) (_ *Worker, err erro
 		relayCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 		done := make(chan struct{})
 		go func() { defer close(done); _ = relay.Run(relayCtx) }()
-		out.Outbox, out.Relay = relay.Outbox(), relay
+		out.Outbox, out.Relay, out.Reconciler = relay.Outbox(), relay, rc
 		out.stopRelay = func() { cancel(); <-done }
 	}
 	return out, nil

@@ -37,3 +37,6 @@ CREATE INDEX IF NOT EXISTS dedup_outbox_lease_idx ON dedup_outbox (lease_until) 
 CREATE INDEX IF NOT EXISTS dedup_outbox_event_idx ON dedup_outbox (event_key, name);
 CREATE INDEX IF NOT EXISTS dedup_outbox_settled_idx ON dedup_outbox (settled_at) WHERE state IN ('sent', 'applied');
 CREATE INDEX IF NOT EXISTS dedup_outbox_dead_idx ON dedup_outbox (id) WHERE state = 'dead';
+-- With the pending, sending and dead indexes, the relay's backlog count
+-- after every pass reads only unsettled messages.
+CREATE INDEX IF NOT EXISTS dedup_outbox_rejected_idx ON dedup_outbox (id) WHERE state = 'rejected';
