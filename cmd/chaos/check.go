@@ -22,7 +22,7 @@ type report struct {
 	Money, WantMoney           int64
 
 	// The outbox (the ledger's database), counted with SQL after the drain.
-	Enqueued, Sent, Settled, Resent, Dead, Unsettled int64 // Settled: marked applied by a reconciler
+	Enqueued, Sent, Settled, Resent, Dead, Rejected, Unsettled int64 // Settled: marked applied by a reconciler
 	// The destination (the receipts database), counted with SQL.
 	ReceiptsApplied int64 // receipt rows
 	ReceiptsDouble  int   // keys or transfers with more than one receipt
@@ -137,6 +137,8 @@ FROM dedup_outbox ORDER BY id`)
 			rep.Settled++
 		case "dead":
 			rep.Dead++
+		case "rejected":
+			rep.Rejected++
 		default:
 			rep.Unsettled++
 		}
@@ -172,6 +174,9 @@ FROM dedup_outbox ORDER BY id`)
 
 	if rep.Dead > 0 {
 		rep.violate("%d dead letters in the outbox after the destination came back", rep.Dead)
+	}
+	if rep.Rejected > 0 {
+		rep.violate("%d messages rejected by the destination, which accepts every receipt", rep.Rejected)
 	}
 	if rep.Unsettled > 0 {
 		rep.violate("%d messages still pending or in flight after the drain", rep.Unsettled)
@@ -246,6 +251,7 @@ func (r *report) print(w io.Writer) {
 	row("outbox: settled by reconciler", r.Settled)
 	row("outbox: re-sent (sends beyond the first)", r.Resent)
 	row("outbox: dead", r.Dead)
+	row("outbox: rejected", r.Rejected)
 	row("outbox: pending or in flight", r.Unsettled)
 	row("destination: POSTs seen by the proxy", r.Proxy.Posts)
 	row("destination: POSTs of a key seen before", r.Proxy.Resends)

@@ -79,6 +79,7 @@ func TestChaosOutboxBoundaryShort(t *testing.T) {
 	require.Zero(t, rep.ReceiptsDouble)
 	require.Zero(t, rep.ReceiptsLost)
 	require.Zero(t, rep.Dead)
+	require.Zero(t, rep.Rejected)
 	require.Zero(t, rep.Unsettled)
 }
 

@@ -40,8 +40,8 @@ type Options struct {
 	// Defaults to DefaultTable ("dedup_outbox").
 	Table string
 
-	// Retention is how long Prune keeps sent and applied messages after
-	// they settled. Dead and rejected messages are never pruned: the
+	// Retention is how long Prune keeps sent, applied and rejected
+	// messages after they settled. Dead messages are never pruned: the
 	// reconciler or a person settles them first.
 	//
 	// Defaults to DefaultRetention (30 days).
@@ -240,8 +240,8 @@ const (
 	// StateRejected: the reconciler found that the destination refused it
 	// for good (ErrRejected: it knows the key and gave a final answer, a
 	// 3xx or 4xx over HTTP, that a resend would only replay); LastError
-	// holds that answer.
-	// Nothing sends or asks about it again.
+	// holds that answer. Nothing sends or asks about it again; Prune
+	// deletes it after Retention, as a sent message.
 	StateRejected State = "rejected"
 )
 
@@ -260,39 +260,37 @@ func (s Stats) Enqueued() int64 {
 	return s.Pending + s.Sending + s.Sent + s.Applied + s.Dead + s.Rejected
 }
 
-// backlogCounts is what waits in the outbox: the relay's backlog and the
-// messages left to a person or the reconciler.
+// backlogCounts is what waits in the outbox: the relay's backlog (pending,
+// sending) and the dead messages left to the reconciler or a person.
 type backlogCounts struct {
-	pending, sending, dead, rejected int64
-	oldestPendingAge                 time.Duration
+	pending, sending, dead int64
+	oldestPendingAge       float64 // seconds
 }
 
-// backlogQuery counts the messages that are not settled. Its WHERE is an OR
-// of one state each, not an IN list, so PostgreSQL combines the states'
-// partial indexes (a BitmapOr) instead of scanning every sent and applied
-// message the table keeps for Retention (TestBacklogUsesTheStateIndexes).
+// backlogQuery counts the messages that wait. Its WHERE is an OR of one
+// state each, not an IN list, so PostgreSQL combines the states' partial
+// indexes (a BitmapOr) instead of scanning every settled message the table
+// keeps for Retention (TestBacklogUsesTheStateIndexes).
 func (ob *Outbox) backlogQuery() string {
 	return `SELECT count(*) FILTER (WHERE state = 'pending'), count(*) FILTER (WHERE state = 'sending'),
-	count(*) FILTER (WHERE state = 'dead'), count(*) FILTER (WHERE state = 'rejected'),
+	count(*) FILTER (WHERE state = 'dead'),
 	coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE state IN ('pending', 'sending'))), 0)::float8
 FROM ` + ob.table + `
-WHERE state = 'pending' OR state = 'sending' OR state = 'dead' OR state = 'rejected'`
+WHERE state = 'pending' OR state = 'sending' OR state = 'dead'`
 }
 
 func (ob *Outbox) backlog(ctx context.Context) (backlogCounts, error) {
 	var b backlogCounts
-	var age float64
-	if err := ob.pool.QueryRow(ctx, ob.backlogQuery()).Scan(&b.pending, &b.sending, &b.dead, &b.rejected, &age); err != nil {
+	if err := ob.pool.QueryRow(ctx, ob.backlogQuery()).Scan(&b.pending, &b.sending, &b.dead, &b.oldestPendingAge); err != nil {
 		return b, fmt.Errorf("outbox: backlog: %w", translate(err))
 	}
-	b.oldestPendingAge = time.Duration(age * float64(time.Second))
 	return b, nil
 }
 
 // Stats counts the messages by state, in one query. It reads the whole
-// table, sent and applied messages included: it is for tests, tools and
-// occasional checks; the relay records the unsettled counts as metrics
-// (MetricMessages) after every pass with an indexed query.
+// table, settled messages included: it is for tests, tools and occasional
+// checks; a Relay's metrics (MetricMessages, MetricOldestPendingAge) read
+// the waiting messages through their indexes at each collection.
 func (ob *Outbox) Stats(ctx context.Context) (Stats, error) {
 	var s Stats
 	var age float64
@@ -313,15 +311,15 @@ FROM `+ob.table).Scan(&s.Pending, &s.Sending, &s.Sent, &s.Applied, &s.Dead, &s.R
 // pruneBatchSize is how many messages one Prune statement deletes.
 const pruneBatchSize = 1000
 
-// Prune deletes sent and applied messages that settled more than
+// Prune deletes sent, applied and rejected messages that settled more than
 // Options.Retention ago, in batches of pruneBatchSize (each its own short
-// transaction, skipping rows locked by others). Pending, sending, dead and
-// rejected messages are kept. It returns how many it deleted.
+// transaction, skipping rows locked by others). Pending, sending and dead
+// messages are kept. It returns how many it deleted.
 func (ob *Outbox) Prune(ctx context.Context) (int64, error) {
 	var deleted int64
 	for {
 		tag, err := ob.pool.Exec(ctx, `DELETE FROM `+ob.table+` WHERE id = ANY (ARRAY(
-	SELECT id FROM `+ob.table+` WHERE state IN ('sent', 'applied') AND settled_at < now() - make_interval(secs => $1)
+	SELECT id FROM `+ob.table+` WHERE state IN ('sent', 'applied', 'rejected') AND settled_at < now() - make_interval(secs => $1)
 	ORDER BY settled_at LIMIT $2 FOR UPDATE SKIP LOCKED))`, ob.opts.Retention.Seconds(), pruneBatchSize)
 		if err != nil {
 			return deleted, fmt.Errorf("outbox: prune: %w", translate(err))

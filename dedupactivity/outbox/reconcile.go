@@ -197,8 +197,10 @@ type ReconcileReport struct {
 	// for another send (dead ones with a fresh attempt budget).
 	Requeued int
 	// Rejected counts messages the destination refused for good
-	// (ErrRejected), now StateRejected.
-	Rejected int
+	// (ErrRejected), now StateRejected; RejectedKeys are their idempotency
+	// keys (the refusal is in each message's LastError).
+	Rejected     int
+	RejectedKeys []string
 	// Unresolved lists the messages left as they were, and why.
 	Unresolved []Unresolved
 }
@@ -318,6 +320,7 @@ WHERE id = $1 AND state = $2 AND attempts = $3`
 		switch {
 		case rejected:
 			rep.Rejected++
+			rep.RejectedKeys = append(rep.RejectedKeys, c.d.Key)
 			rc.count(ctx, "rejected", c.d.Destination)
 		case applied:
 			rep.Applied++

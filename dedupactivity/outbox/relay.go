@@ -161,7 +161,7 @@ func NewRelay(ob *Outbox, cfg RelayConfig) (*Relay, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	tel, err := newRelayTelemetry(cfg.TracerProvider, cfg.MeterProvider)
+	tel, err := newRelayTelemetry(cfg.TracerProvider, cfg.MeterProvider, ob)
 	if err != nil {
 		return nil, err
 	}
@@ -222,7 +222,6 @@ func (r *Relay) runOnce(ctx context.Context, progress func(RelayResult)) (RelayR
 	if err := r.ob.pool.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&passStart); err != nil {
 		return res, fmt.Errorf("outbox: relay: %w", err)
 	}
-	defer r.recordBacklog(ctx)
 	for {
 		// The lease's end by this process's clock, taken before the claim:
 		// it comes no later than the end the database records, whatever
@@ -402,22 +401,4 @@ func (r *Relay) backoff(tries int) time.Duration {
 	}
 	b = min(b, r.cfg.MaxBackoff)
 	return b/2 + rand.N(b/2+1)
-}
-
-// recordBacklog records MetricOldestPendingAge and MetricMessages, best
-// effort: a failed query records nothing.
-func (r *Relay) recordBacklog(ctx context.Context) {
-	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-	defer cancel()
-	b, err := r.ob.backlog(rctx)
-	if err != nil {
-		return
-	}
-	r.tel.oldest.Record(rctx, b.oldestPendingAge.Seconds())
-	for _, s := range []struct {
-		state State
-		n     int64
-	}{{StatePending, b.pending}, {StateSending, b.sending}, {StateDead, b.dead}, {StateRejected, b.rejected}} {
-		r.tel.messages.Record(rctx, s.n, metric.WithAttributes(StateKey.String(string(s.state))))
-	}
 }

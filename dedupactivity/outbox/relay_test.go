@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -230,6 +231,24 @@ func TestHTTPSenderClassifiesFailures(t *testing.T) {
 		}
 	}
 
+	// A redirect is permanent and not followed, whatever the client given
+	// would do: the target, which would answer 200, gets nothing.
+	var followed atomic.Int32
+	target := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { followed.Add(1) }))
+	t.Cleanup(target.Close)
+	for _, code := range []int{301, 302, 303, 307, 308} {
+		redirect := httptest.NewServer(http.RedirectHandler(target.URL, code))
+		t.Cleanup(redirect.Close)
+		rs, err := outbox.NewHTTPSender(outbox.HTTPSenderConfig{Endpoints: map[string]string{"d": redirect.URL}, Client: &http.Client{}})
+		require.NoError(t, err)
+		err = rs.Send(ctx, outbox.Delivery{Key: "k", Destination: "d", Payload: []byte(`{}`)})
+		var se *outbox.StatusError
+		require.ErrorAs(t, err, &se, code)
+		require.Equal(t, code, se.StatusCode)
+		require.ErrorIs(t, err, outbox.ErrPermanent, code)
+	}
+	require.Zero(t, followed.Load())
+
 	// Unknown destination: permanent.
 	err = s.Send(ctx, outbox.Delivery{Key: "k", Destination: "nowhere"})
 	require.ErrorIs(t, err, outbox.ErrPermanent)
@@ -395,14 +414,43 @@ func TestRelayTelemetry(t *testing.T) {
 			case outbox.MetricMessages:
 				for _, dp := range m.Data.(metricdata.Gauge[int64]).DataPoints {
 					st, _ := dp.Attributes.Value(outbox.StateKey)
-					messages[st.AsString()] = dp.Value
+					table, _ := dp.Attributes.Value(outbox.TableKey)
+					messages[table.AsString()+"/"+st.AsString()] = dp.Value
 				}
 			}
 		}
 	}
 	require.Equal(t, map[string]int64{"receipts/delivered": 1, "receipts/retried": 1, "receipts/dead": 1}, counts)
 	require.Greater(t, oldest, 0.0, "the retried message is still pending")
-	require.Equal(t, map[string]int64{"pending": 1, "sending": 0, "dead": 1, "rejected": 0}, messages)
+	require.Equal(t, map[string]int64{"dedup_outbox/pending": 1, "dedup_outbox/sending": 0, "dedup_outbox/dead": 1}, messages)
+
+	// The gauges are read at each collection: once the retried message is
+	// delivered, the next collection says so.
+	mu.Lock()
+	delete(fail, keys[1])
+	mu.Unlock()
+	_, err = b.schema.Pool.Exec(context.Background(), `UPDATE dedup_outbox SET next_attempt_at = now() WHERE state = 'pending'`)
+	require.NoError(t, err)
+	res, err = r.RunOnce(context.Background())
+	require.NoError(t, err)
+	require.Equal(t, outbox.RelayResult{Delivered: 1}, res)
+	rm = metricdata.ResourceMetrics{}
+	require.NoError(t, reader.Collect(context.Background(), &rm))
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			switch m.Name {
+			case outbox.MetricOldestPendingAge:
+				oldest = m.Data.(metricdata.Gauge[float64]).DataPoints[0].Value
+			case outbox.MetricMessages:
+				for _, dp := range m.Data.(metricdata.Gauge[int64]).DataPoints {
+					st, _ := dp.Attributes.Value(outbox.StateKey)
+					messages["dedup_outbox/"+st.AsString()] = dp.Value
+				}
+			}
+		}
+	}
+	require.Zero(t, oldest, "nothing waits for the relay")
+	require.Equal(t, map[string]int64{"dedup_outbox/pending": 0, "dedup_outbox/sending": 0, "dedup_outbox/dead": 1}, messages)
 }
 
 func activityNamed(name string) activity.RegisterOptions { return activity.RegisterOptions{Name: name} }

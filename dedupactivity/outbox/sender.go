@@ -55,7 +55,9 @@ type HTTPSenderConfig struct {
 	// POSTed to. Required (at least one).
 	Endpoints map[string]string
 
-	// Client sends the requests. Its own Timeout, if any, applies too.
+	// Client sends the requests. Its own Timeout, if any, applies too. Its
+	// CheckRedirect does not: the sender uses a copy that follows no
+	// redirect (see HTTPSender).
 	//
 	// Defaults to a client with no timeout of its own (Timeout bounds each
 	// request).
@@ -72,8 +74,10 @@ type HTTPSenderConfig struct {
 // with the Idempotency-Key header, Content-Type application/json and the
 // message's headers. A 2xx response is success; 408, 409, 425, 429 and 5xx
 // responses and network errors are retried (StatusError, or the transport's
-// error); other 4xx responses are permanent (a StatusError wrapping
-// ErrPermanent).
+// error); other 4xx and every 3xx response are permanent (a StatusError
+// wrapping ErrPermanent). Redirects are not followed: following one would
+// POST the message elsewhere (307, 308) or GET another page (301 to 303)
+// and take that answer's 2xx for a delivery.
 type HTTPSender struct {
 	cfg HTTPSenderConfig
 }
@@ -89,9 +93,12 @@ func NewHTTPSender(cfg HTTPSenderConfig) (*HTTPSender, error) {
 			return nil, fmt.Errorf("%w: HTTPSenderConfig.Endpoints[%q] = %q is not an http(s) URL", ErrInvalidConfig, dest, u)
 		}
 	}
-	if cfg.Client == nil {
-		cfg.Client = &http.Client{}
+	client := http.Client{}
+	if cfg.Client != nil {
+		client = *cfg.Client
 	}
+	client.CheckRedirect = func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
+	cfg.Client = &client
 	if cfg.Timeout == 0 {
 		cfg.Timeout = DefaultHTTPTimeout
 	}

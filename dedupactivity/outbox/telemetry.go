@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"strings"
+	"time"
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
@@ -32,6 +33,9 @@ const (
 	ReconcileActionKey = attribute.Key("dedup.outbox.reconcile.action")
 	// StateKey is a message state (State) in MetricMessages.
 	StateKey = attribute.Key("dedup.outbox.state")
+	// TableKey is the outbox table's name (Options.Table) on
+	// MetricMessages and MetricOldestPendingAge.
+	TableKey = attribute.Key("dedup.outbox.table")
 )
 
 // Metric names.
@@ -39,14 +43,19 @@ const (
 	// MetricDeliveries counts sends by dedup.outbox.result and
 	// dedup.outbox.destination. Unit {message}.
 	MetricDeliveries = "dedup.outbox.deliveries"
-	// MetricOldestPendingAge is the age, in seconds, of the oldest message
-	// not yet delivered (pending or sending), recorded after every relay
-	// pass.
+	// MetricOldestPendingAge is, at each collection, the age in seconds of
+	// the oldest message not yet delivered (pending or sending), by
+	// dedup.outbox.table; 0 when none waits. Growing: the relay is not
+	// running, falls behind, or a destination keeps failing.
 	MetricOldestPendingAge = "dedup.outbox.oldest_pending_age"
-	// MetricMessages is the number of messages in each state that waits
-	// for the relay (pending, sending) or for a person or the reconciler
-	// (dead, rejected), by dedup.outbox.state, recorded after every relay
-	// pass. Unit {message}.
+	// MetricMessages is, at each collection, the number of messages that
+	// wait for the relay (pending, sending) or for the reconciler or a
+	// person (dead), by dedup.outbox.state and dedup.outbox.table. Unit
+	// {message}.
+	//
+	// Both gauges are read by one query over the waiting states' partial
+	// indexes, registered by every Relay and bounded to 2s; a failed query
+	// observes nothing, so a stale value is never exported.
 	MetricMessages = "dedup.outbox.messages"
 	// MetricReconciled counts messages the reconciler settled or reported,
 	// by dedup.outbox.reconcile.action and dedup.outbox.destination.
@@ -65,11 +74,9 @@ const (
 type relayTelemetry struct {
 	tracer     trace.Tracer
 	deliveries metric.Int64Counter
-	oldest     metric.Float64Gauge
-	messages   metric.Int64Gauge
 }
 
-func newRelayTelemetry(tp trace.TracerProvider, mp metric.MeterProvider) (*relayTelemetry, error) {
+func newRelayTelemetry(tp trace.TracerProvider, mp metric.MeterProvider, ob *Outbox) (*relayTelemetry, error) {
 	meter := mp.Meter(ScopeName)
 	t := &relayTelemetry{tracer: tp.Tracer(ScopeName)}
 	var err error
@@ -77,16 +84,48 @@ func newRelayTelemetry(tp trace.TracerProvider, mp metric.MeterProvider) (*relay
 		metric.WithDescription("Outbox sends by result and destination."), metric.WithUnit("{message}")); err != nil {
 		return nil, fmt.Errorf("outbox: create %s: %w", MetricDeliveries, err)
 	}
-	if t.oldest, err = meter.Float64Gauge(MetricOldestPendingAge,
-		metric.WithDescription("Age of the oldest outbox message not yet delivered."), metric.WithUnit("s")); err != nil {
-		return nil, fmt.Errorf("outbox: create %s: %w", MetricOldestPendingAge, err)
-	}
-	if t.messages, err = meter.Int64Gauge(MetricMessages,
-		metric.WithDescription("Outbox messages waiting for the relay (pending, sending) or for a person or the reconciler (dead, rejected), by state."),
-		metric.WithUnit("{message}")); err != nil {
-		return nil, fmt.Errorf("outbox: create %s: %w", MetricMessages, err)
+	if err := observeBacklog(meter, ob); err != nil {
+		return nil, err
 	}
 	return t, nil
+}
+
+// observeBacklog registers MetricOldestPendingAge and MetricMessages, read
+// from ob's table at each collection.
+func observeBacklog(meter metric.Meter, ob *Outbox) error {
+	oldest, err := meter.Float64ObservableGauge(MetricOldestPendingAge,
+		metric.WithDescription("Age of the oldest outbox message not yet delivered; read at each collection."), metric.WithUnit("s"))
+	if err != nil {
+		return fmt.Errorf("outbox: create %s: %w", MetricOldestPendingAge, err)
+	}
+	messages, err := meter.Int64ObservableGauge(MetricMessages,
+		metric.WithDescription("Outbox messages waiting for the relay (pending, sending) or for the reconciler or a person (dead), by state; read at each collection."),
+		metric.WithUnit("{message}"))
+	if err != nil {
+		return fmt.Errorf("outbox: create %s: %w", MetricMessages, err)
+	}
+	table := TableKey.String(ob.opts.Table)
+	attrs := func(state State) metric.ObserveOption {
+		return metric.WithAttributes(table, StateKey.String(string(state)))
+	}
+	pending, sending, dead := attrs(StatePending), attrs(StateSending), attrs(StateDead)
+	_, err = meter.RegisterCallback(func(ctx context.Context, o metric.Observer) error {
+		ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		defer cancel()
+		b, err := ob.backlog(ctx)
+		if err != nil {
+			return nil // the database is unreachable: no observation
+		}
+		o.ObserveFloat64(oldest, b.oldestPendingAge, metric.WithAttributes(table))
+		o.ObserveInt64(messages, b.pending, pending)
+		o.ObserveInt64(messages, b.sending, sending)
+		o.ObserveInt64(messages, b.dead, dead)
+		return nil
+	}, oldest, messages)
+	if err != nil {
+		return fmt.Errorf("outbox: register the backlog gauges: %w", err)
+	}
+	return nil
 }
 
 func (t *relayTelemetry) startSend(ctx context.Context, d Delivery) (context.Context, trace.Span) {

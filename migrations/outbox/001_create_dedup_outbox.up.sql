@@ -12,10 +12,9 @@ CREATE TABLE IF NOT EXISTS dedup_outbox (
     payload         bytea       NOT NULL,
     -- pending: to send at next_attempt_at; sending: leased by a relay until
     -- lease_until; sent: the destination acknowledged; applied: the
-    -- reconciler found it applied at the destination; dead: gave up;
-    -- rejected: the reconciler found the destination refused it for good.
+    -- reconciler found it applied at the destination; dead: gave up.
     state           text        NOT NULL DEFAULT 'pending'
-                                CHECK (state IN ('pending', 'sending', 'sent', 'applied', 'dead', 'rejected')),
+                                CHECK (state IN ('pending', 'sending', 'sent', 'applied', 'dead')),
     -- Sends so far (also the lease's fencing token: it only grows).
     attempts        integer     NOT NULL DEFAULT 0,
     -- Sends since the message was enqueued or last re-queued by the reconciler.
@@ -37,6 +36,3 @@ CREATE INDEX IF NOT EXISTS dedup_outbox_lease_idx ON dedup_outbox (lease_until) 
 CREATE INDEX IF NOT EXISTS dedup_outbox_event_idx ON dedup_outbox (event_key, name);
 CREATE INDEX IF NOT EXISTS dedup_outbox_settled_idx ON dedup_outbox (settled_at) WHERE state IN ('sent', 'applied');
 CREATE INDEX IF NOT EXISTS dedup_outbox_dead_idx ON dedup_outbox (id) WHERE state = 'dead';
--- With the pending, sending and dead indexes, the relay's backlog count
--- after every pass reads only unsettled messages.
-CREATE INDEX IF NOT EXISTS dedup_outbox_rejected_idx ON dedup_outbox (id) WHERE state = 'rejected';
