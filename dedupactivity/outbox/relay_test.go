@@ -395,11 +395,33 @@ func TestRelayTelemetry(t *testing.T) {
 	}
 	require.Equal(t, map[string]string{keys[0]: "delivered", keys[1]: "retried", keys[2]: "dead"}, results)
 
+	counts, oldest, messages := relayMetrics(t, reader)
+	require.Equal(t, map[string]int64{"receipts/delivered": 1, "receipts/retried": 1, "receipts/dead": 1}, counts)
+	require.Greater(t, oldest, 0.0, "the retried message is still pending")
+	require.Equal(t, map[string]int64{"dedup_outbox/pending": 1, "dedup_outbox/sending": 0, "dedup_outbox/dead": 1}, messages)
+
+	// The gauges are read at each collection: once the retried message is
+	// delivered, the next collection says so.
+	mu.Lock()
+	delete(fail, keys[1])
+	mu.Unlock()
+	_, err = b.schema.Pool.Exec(context.Background(), `UPDATE dedup_outbox SET next_attempt_at = now() WHERE state = 'pending'`)
+	require.NoError(t, err)
+	res, err = r.RunOnce(context.Background())
+	require.NoError(t, err)
+	require.Equal(t, outbox.RelayResult{Delivered: 1}, res)
+	_, oldest, messages = relayMetrics(t, reader)
+	require.Zero(t, oldest, "nothing waits for the relay")
+	require.Equal(t, map[string]int64{"dedup_outbox/pending": 0, "dedup_outbox/sending": 0, "dedup_outbox/dead": 1}, messages)
+}
+
+// relayMetrics collects reader: sends by "destination/result", the oldest
+// pending age (-1 if not observed) and waiting messages by "table/state".
+func relayMetrics(t *testing.T, reader *sdkmetric.ManualReader) (counts map[string]int64, oldest float64, messages map[string]int64) {
+	t.Helper()
 	var rm metricdata.ResourceMetrics
 	require.NoError(t, reader.Collect(context.Background(), &rm))
-	counts := map[string]int64{}
-	var oldest float64 = -1
-	messages := map[string]int64{}
+	counts, oldest, messages = map[string]int64{}, -1, map[string]int64{}
 	for _, sm := range rm.ScopeMetrics {
 		for _, m := range sm.Metrics {
 			switch m.Name {
@@ -420,37 +442,7 @@ func TestRelayTelemetry(t *testing.T) {
 			}
 		}
 	}
-	require.Equal(t, map[string]int64{"receipts/delivered": 1, "receipts/retried": 1, "receipts/dead": 1}, counts)
-	require.Greater(t, oldest, 0.0, "the retried message is still pending")
-	require.Equal(t, map[string]int64{"dedup_outbox/pending": 1, "dedup_outbox/sending": 0, "dedup_outbox/dead": 1}, messages)
-
-	// The gauges are read at each collection: once the retried message is
-	// delivered, the next collection says so.
-	mu.Lock()
-	delete(fail, keys[1])
-	mu.Unlock()
-	_, err = b.schema.Pool.Exec(context.Background(), `UPDATE dedup_outbox SET next_attempt_at = now() WHERE state = 'pending'`)
-	require.NoError(t, err)
-	res, err = r.RunOnce(context.Background())
-	require.NoError(t, err)
-	require.Equal(t, outbox.RelayResult{Delivered: 1}, res)
-	rm = metricdata.ResourceMetrics{}
-	require.NoError(t, reader.Collect(context.Background(), &rm))
-	for _, sm := range rm.ScopeMetrics {
-		for _, m := range sm.Metrics {
-			switch m.Name {
-			case outbox.MetricOldestPendingAge:
-				oldest = m.Data.(metricdata.Gauge[float64]).DataPoints[0].Value
-			case outbox.MetricMessages:
-				for _, dp := range m.Data.(metricdata.Gauge[int64]).DataPoints {
-					st, _ := dp.Attributes.Value(outbox.StateKey)
-					messages["dedup_outbox/"+st.AsString()] = dp.Value
-				}
-			}
-		}
-	}
-	require.Zero(t, oldest, "nothing waits for the relay")
-	require.Equal(t, map[string]int64{"dedup_outbox/pending": 0, "dedup_outbox/sending": 0, "dedup_outbox/dead": 1}, messages)
+	return counts, oldest, messages
 }
 
 func activityNamed(name string) activity.RegisterOptions { return activity.RegisterOptions{Name: name} }
