@@ -13,5 +13,5 @@ func RelayActivityName(r *Relay) string { return r.relayActivityName() }
 
 func ReconcileActivityName(rc *Reconciler) string { return rc.reconcileActivityName() }
 
-// BacklogQuery is the relay's count of unsettled messages after each pass.
+// BacklogQuery is the count the outbox's gauges read at each collection.
 func BacklogQuery(ob *Outbox) string { return ob.backlogQuery() }

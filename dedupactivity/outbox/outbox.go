@@ -15,6 +15,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/metric"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 	"github.com/dedupactivity/dedupactivity/migrations/outbox"
@@ -46,6 +48,14 @@ type Options struct {
 	//
 	// Defaults to DefaultRetention (30 days).
 	Retention time.Duration
+
+	// MeterProvider creates the meter for MetricMessages and
+	// MetricOldestPendingAge, which New registers once for the table: they
+	// are read by one indexed query at each collection. Relays and
+	// reconcilers take their own (RelayConfig, ReconcilerConfig).
+	//
+	// Defaults to otel.GetMeterProvider().
+	MeterProvider metric.MeterProvider
 }
 
 var identRE = regexp.MustCompile(`^[a-z_][a-z0-9_]*$`)
@@ -56,6 +66,9 @@ func (o Options) withDefaults() Options {
 	}
 	if o.Retention == 0 {
 		o.Retention = DefaultRetention
+	}
+	if o.MeterProvider == nil {
+		o.MeterProvider = otel.GetMeterProvider()
 	}
 	return o
 }
@@ -96,6 +109,9 @@ func New(pool *pgxpool.Pool, opts Options) (*Outbox, error) {
 	ob.table = pgx.Identifier{opts.Table}.Sanitize()
 	if opts.Schema != "" {
 		ob.table = pgx.Identifier{opts.Schema, opts.Table}.Sanitize()
+	}
+	if err := observeBacklog(opts.MeterProvider.Meter(ScopeName), ob); err != nil {
+		return nil, err
 	}
 	return ob, nil
 }
@@ -289,8 +305,8 @@ func (ob *Outbox) backlog(ctx context.Context) (backlogCounts, error) {
 
 // Stats counts the messages by state, in one query. It reads the whole
 // table, settled messages included: it is for tests, tools and occasional
-// checks; a Relay's metrics (MetricMessages, MetricOldestPendingAge) read
-// the waiting messages through their indexes at each collection.
+// checks; the gauges New registers (MetricMessages, MetricOldestPendingAge)
+// read the waiting messages through their indexes at each collection.
 func (ob *Outbox) Stats(ctx context.Context) (Stats, error) {
 	var s Stats
 	var age float64

@@ -354,7 +354,7 @@ func (d *destination) total() (requests, keys int) {
 	return requests, len(d.received)
 }
 
-// TestBacklogUsesTheStateIndexes: the count a Relay's gauges read at each
+// TestBacklogUsesTheStateIndexes: the count the outbox's gauges read at each
 // collection reads the waiting messages through their partial indexes, not
 // the settled ones the table keeps for Retention (an IN list over the
 // states would scan them all).

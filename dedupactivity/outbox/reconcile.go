@@ -196,11 +196,10 @@ type ReconcileReport struct {
 	// Requeued counts messages the destination had not applied, now due
 	// for another send (dead ones with a fresh attempt budget).
 	Requeued int
-	// Rejected counts messages the destination refused for good
-	// (ErrRejected), now StateRejected; RejectedKeys are their idempotency
-	// keys (the refusal is in each message's LastError).
-	Rejected     int
-	RejectedKeys []string
+	// Rejected lists the idempotency keys of the messages the destination
+	// refused for good (ErrRejected), now StateRejected; the refusal is in
+	// each message's LastError.
+	Rejected []string
 	// Unresolved lists the messages left as they were, and why.
 	Unresolved []Unresolved
 }
@@ -229,7 +228,7 @@ func (rc *Reconciler) Reconcile(ctx context.Context) (rep ReconcileReport, err e
 			attrInt("dedup.outbox.reconcile.checked", rep.Checked),
 			attrInt("dedup.outbox.reconcile.applied", rep.Applied),
 			attrInt("dedup.outbox.reconcile.requeued", rep.Requeued),
-			attrInt("dedup.outbox.reconcile.rejected", rep.Rejected),
+			attrInt("dedup.outbox.reconcile.rejected", len(rep.Rejected)),
 			attrInt("dedup.outbox.reconcile.unresolved", len(rep.Unresolved)))
 		if err != nil {
 			span.RecordError(err)
@@ -319,8 +318,7 @@ WHERE id = $1 AND state = $2 AND attempts = $3`
 		}
 		switch {
 		case rejected:
-			rep.Rejected++
-			rep.RejectedKeys = append(rep.RejectedKeys, c.d.Key)
+			rep.Rejected = append(rep.Rejected, c.d.Key)
 			rc.count(ctx, "rejected", c.d.Destination)
 		case applied:
 			rep.Applied++

@@ -74,8 +74,8 @@ type RelayConfig struct {
 	// Defaults to otel.GetTracerProvider().
 	TracerProvider trace.TracerProvider
 
-	// MeterProvider creates the meter for MetricDeliveries,
-	// MetricOldestPendingAge and MetricMessages.
+	// MeterProvider creates the meter for MetricDeliveries (the backlog
+	// gauges are the Outbox's: Options.MeterProvider).
 	//
 	// Defaults to otel.GetMeterProvider().
 	MeterProvider metric.MeterProvider
@@ -161,7 +161,7 @@ func NewRelay(ob *Outbox, cfg RelayConfig) (*Relay, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	tel, err := newRelayTelemetry(cfg.TracerProvider, cfg.MeterProvider, ob)
+	tel, err := newRelayTelemetry(cfg.TracerProvider, cfg.MeterProvider)
 	if err != nil {
 		return nil, err
 	}

@@ -377,9 +377,13 @@ func TestRelayTelemetry(t *testing.T) {
 	fail[keys[1]] = 503
 	fail[keys[2]] = 400
 	mu.Unlock()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	var err error
+	b.ob, err = outbox.New(b.schema.Pool, outbox.Options{MeterProvider: mp}) // the backlog gauges are the outbox's
+	require.NoError(t, err)
 	r := b.relay(t, dest, outbox.RelayConfig{
 		TracerProvider: sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans)),
-		MeterProvider:  sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)),
+		MeterProvider:  mp,
 	})
 	res, err := r.RunOnce(context.Background())
 	require.NoError(t, err)

@@ -53,9 +53,9 @@ const (
 	// person (dead), by dedup.outbox.state and dedup.outbox.table. Unit
 	// {message}.
 	//
-	// Both gauges are read by one query over the waiting states' partial
-	// indexes, registered by every Relay and bounded to 2s; a failed query
-	// observes nothing, so a stale value is never exported.
+	// Both gauges are registered by New (Options.MeterProvider) and read by
+	// one query over the waiting states' partial indexes, bounded to 2s; a
+	// failed query observes nothing, so a stale value is never exported.
 	MetricMessages = "dedup.outbox.messages"
 	// MetricReconciled counts messages the reconciler settled or reported,
 	// by dedup.outbox.reconcile.action and dedup.outbox.destination.
@@ -76,16 +76,13 @@ type relayTelemetry struct {
 	deliveries metric.Int64Counter
 }
 
-func newRelayTelemetry(tp trace.TracerProvider, mp metric.MeterProvider, ob *Outbox) (*relayTelemetry, error) {
+func newRelayTelemetry(tp trace.TracerProvider, mp metric.MeterProvider) (*relayTelemetry, error) {
 	meter := mp.Meter(ScopeName)
 	t := &relayTelemetry{tracer: tp.Tracer(ScopeName)}
 	var err error
 	if t.deliveries, err = meter.Int64Counter(MetricDeliveries,
 		metric.WithDescription("Outbox sends by result and destination."), metric.WithUnit("{message}")); err != nil {
 		return nil, fmt.Errorf("outbox: create %s: %w", MetricDeliveries, err)
-	}
-	if err := observeBacklog(meter, ob); err != nil {
-		return nil, err
 	}
 	return t, nil
 }

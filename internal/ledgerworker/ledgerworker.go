@@ -417,7 +417,7 @@ func Schedules(ctx context.Context, c client.Client, cfg Config, d *dedupactivit
 // Receipts migrates the outbox and builds the relay and reconciler for the
 // receipts service at cfg.ReceiptsURL.
 func Receipts(ctx context.Context, cfg Config, pool *pgxpool.Pool, tel *Telemetry) (*outbox.Relay, *outbox.Reconciler, error) {
-	ob, err := outbox.New(pool, outbox.Options{})
+	ob, err := outbox.New(pool, outbox.Options{MeterProvider: tel.MeterProvider})
 	if err != nil {
 		return nil, nil, err
 	}
