@@ -2,10 +2,12 @@ package dedupactivity
 
 import (
 	"fmt"
+	"slices"
 
 	commonpb "go.temporal.io/api/common/v1"
 	"go.temporal.io/sdk/activity"
 	"go.temporal.io/sdk/converter"
+	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 )
 
@@ -37,7 +39,7 @@ func (d *Deduper) encodeResult(dc converter.DataConverter, v any) ([]byte, *comm
 	if err != nil {
 		return nil, nil, fmt.Errorf("%w: encode result: %w", ErrEncoding, err)
 	}
-	b, err := proto.Marshal(p)
+	b, err := marshalPayload(p)
 	if err != nil {
 		return nil, nil, fmt.Errorf("%w: marshal result payload: %w", ErrEncoding, err)
 	}
@@ -45,6 +47,40 @@ func (d *Deduper) encodeResult(dc converter.DataConverter, v any) ([]byte, *comm
 		return nil, nil, fmt.Errorf("%w: %d bytes encoded, MaxResultBytes is %d", ErrResultTooLarge, len(b), d.opts.MaxResultBytes)
 	}
 	return b, p, nil
+}
+
+// marshalPayload serializes p as proto.Marshal does with Deterministic set
+// (metadata in key order), writing the wire format directly: the reflection
+// behind proto.Marshal cost more than the rest of the result's encoding on
+// every first delivery. A payload with fields this code does not write
+// (external payload details, unknown fields) goes through proto.Marshal.
+func marshalPayload(p *commonpb.Payload) ([]byte, error) {
+	if len(p.GetExternalPayloads()) > 0 || len(p.ProtoReflect().GetUnknown()) > 0 {
+		return proto.MarshalOptions{Deterministic: true}.Marshal(p)
+	}
+	keys := make([]string, 0, len(p.Metadata))
+	size := len(p.Data)
+	for k, v := range p.Metadata {
+		keys = append(keys, k)
+		size += len(k) + len(v) + 18 // tags and lengths: at most 18 bytes
+	}
+	slices.Sort(keys)
+	b := make([]byte, 0, size+6)
+	for _, k := range keys {
+		v := p.Metadata[k]
+		entry := protowire.SizeTag(1) + protowire.SizeBytes(len(k)) + protowire.SizeTag(2) + protowire.SizeBytes(len(v))
+		b = protowire.AppendTag(b, 1, protowire.BytesType)
+		b = protowire.AppendVarint(b, uint64(entry))
+		b = protowire.AppendTag(b, 1, protowire.BytesType)
+		b = protowire.AppendString(b, k)
+		b = protowire.AppendTag(b, 2, protowire.BytesType)
+		b = protowire.AppendBytes(b, v)
+	}
+	if len(p.Data) > 0 {
+		b = protowire.AppendTag(b, 2, protowire.BytesType)
+		b = protowire.AppendBytes(b, p.Data)
+	}
+	return b, nil
 }
 
 // decodeResult decodes a stored result into out (a pointer).
