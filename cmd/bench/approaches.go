@@ -168,6 +168,12 @@ func (b *bench) approaches() []approach {
 			})
 		}},
 		{name: nameByHand, reference: true, deliver: b.byHand},
+		{name: nameByHandNoLook, reference: true, deliver: func(ctx context.Context, key string, in posting) (bool, error) {
+			return b.byHandOf(ctx, `"dedup_marker"`, false, key, in)
+		}},
+		{name: nameByHandRideNoIdx, reference: true, deliver: func(ctx context.Context, key string, in posting) (bool, error) {
+			return b.byHandOf(ctx, `"dedup_noidx"`, true, key, in)
+		}},
 		{name: nameByHandFirst, reference: true, deliver: func(ctx context.Context, key string, in posting) (bool, error) {
 			return b.byHandOn(ctx, `"dedup_marker"`, true, key, in)
 		}},
