@@ -156,7 +156,7 @@ type Options struct {
 	// client.Options (Tally, Prometheus, ...), labelled by the SDK with
 	// activity_type, namespace, task_queue and workflow_type. Names are
 	// dedup_attempts (counter), dedup_claim_duration and
-	// dedup_effect_duration (timers) and dedup_markers_pruned (counter),
+	// dedup_effect_duration (timers) and dedup_marker_pruned (counter),
 	// labelled dedup_outcome and, on errors, error_type. Calls of Do outside
 	// an activity record through MeterProvider only. To record through the
 	// SDK's handler only, set MeterProvider to noop.NewMeterProvider().

@@ -84,7 +84,7 @@ const (
 
 // Metric names (OpenTelemetry). The Prometheus exporter writes them as
 // dedup_attempts_total, dedup_claim_duration_seconds,
-// dedup_effect_duration_seconds, dedup_markers_pruned_total and
+// dedup_effect_duration_seconds, dedup_marker_pruned_total and
 // dedup_marker_oldest_age_seconds. Through the SDK's metrics handler
 // (Options.TemporalMetrics) the names have underscores for dots
 // (dedup_attempts, ...) and the labels are dedup_outcome and error_type.
@@ -103,7 +103,7 @@ const (
 	MetricEffectDuration = "dedup.effect.duration"
 	// MetricMarkersPruned counts markers deleted by Prune (rows deleted and
 	// rows of dropped partitions), by dedup.table. Unit {marker}.
-	MetricMarkersPruned = "dedup.markers.pruned"
+	MetricMarkersPruned = "dedup.marker.pruned"
 	// MetricOldestMarkerAge is, at each collection, the age in seconds of
 	// the marker that expires first (by dedup.table): with one retention
 	// for all activities that is the oldest marker. Above Retention plus
@@ -111,7 +111,7 @@ const (
 	// index-ordered query (ORDER BY expires_at LIMIT 1) per collection
 	// (each scrape or export), bounded to 2s; no observation when the
 	// table is empty or the query fails.
-	MetricOldestMarkerAge = "dedup.marker.oldest.age"
+	MetricOldestMarkerAge = "dedup.marker.oldest_age"
 )
 
 // TableKey is the marker table's name on the markers' metrics.
@@ -149,7 +149,7 @@ const (
 	sdkMetricAttempts       = "dedup_attempts"
 	sdkMetricClaimDuration  = "dedup_claim_duration"
 	sdkMetricEffectDuration = "dedup_effect_duration"
-	sdkMetricMarkersPruned  = "dedup_markers_pruned"
+	sdkMetricMarkersPruned  = "dedup_marker_pruned"
 	sdkOutcomeTag           = "dedup_outcome"
 	sdkErrorTypeTag         = "error_type"
 	sdkTableTag             = "dedup_table"

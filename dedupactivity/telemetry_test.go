@@ -343,7 +343,7 @@ func TestTelemetryMarkerMetrics(t *testing.T) {
 	var sdkPruned int64
 	for _, sm := range rm.ScopeMetrics {
 		for _, m := range sm.Metrics {
-			if m.Name == "dedup_markers_pruned" {
+			if m.Name == "dedup_marker_pruned" {
 				for _, dp := range m.Data.(metricdata.Sum[int64]).DataPoints {
 					sdkPruned += dp.Value
 				}

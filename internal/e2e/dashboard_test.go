@@ -51,7 +51,7 @@ func checkDashboard(t *testing.T, p *obstest.Prometheus) {
 		}
 	}
 	for _, m := range []string{"dedup_attempts_total", "dedup_claim_duration_seconds_bucket", "dedup_effect_duration_seconds_bucket",
-		"dedup_markers_pruned_total", "dedup_marker_oldest_age_seconds",
+		"dedup_marker_pruned_total", "dedup_marker_oldest_age_seconds",
 		"dedup_outbox_deliveries_total", "dedup_outbox_messages", "dedup_outbox_oldest_pending_age_seconds", "dedup_outbox_reconciled_total"} {
 		require.True(t, emitted[m], "the worker emitted %s", m)
 	}

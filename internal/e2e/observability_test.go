@@ -119,7 +119,7 @@ func TestObservabilityBackends(t *testing.T) {
 	n, err := w.Deduper.Prune(ctx)
 	require.NoError(t, err)
 	require.Equal(t, int64(1), n)
-	require.Eventually(t, func() bool { return len(query(`dedup_markers_pruned_total`)) > 0 }, 30*time.Second, 250*time.Millisecond)
+	require.Eventually(t, func() bool { return len(query(`dedup_marker_pruned_total`)) > 0 }, 30*time.Second, 250*time.Millisecond)
 
 	// The outbox: the relay delivered the three receipts; one, made a dead
 	// letter by hand, the reconciler finds applied at the destination.
