@@ -333,3 +333,43 @@ func TestScopesSeparateKeys(t *testing.T) {
 	_, err = idemhttp.New(s.Pool, idemhttp.Options{Dedup: dedupactivity.Options{MismatchPolicy: dedupactivity.MismatchReturnStored}})
 	require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions)
 }
+
+// TestRedirectIsStoredAndRefused: a 3xx is final, so it is stored and
+// replayed like a 4xx, and it is not "applied" (the effect the sender asked
+// for did not happen here): Applied returns a RejectedError with its status
+// and StatusHandler answers 409 with it.
+func TestRedirectIsStoredAndRefused(t *testing.T) {
+	t.Parallel()
+	b := setup(t, idemhttp.Options{})
+	client := *b.srv.Client()
+	client.CheckRedirect = func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
+	post := func() *http.Response {
+		req, err := http.NewRequest(http.MethodPost, b.srv.URL+"/receipts", strings.NewReader(`{}`))
+		require.NoError(t, err)
+		req.Header.Set("Idempotency-Key", "k1")
+		resp, err := client.Do(req)
+		require.NoError(t, err)
+		resp.Body.Close()
+		return resp
+	}
+	b.status.Store(http.StatusSeeOther)
+	require.Equal(t, http.StatusSeeOther, post().StatusCode)
+	b.status.Store(0)
+	again := post()
+	require.Equal(t, http.StatusSeeOther, again.StatusCode, "replayed, not run again")
+	require.Equal(t, "true", again.Header.Get(idemhttp.ReplayedHeader))
+	require.Equal(t, int64(1), b.runs.Load())
+
+	applied, err := b.m.Applied(context.Background(), "k1")
+	require.False(t, applied)
+	var rejected *idemhttp.RejectedError
+	require.ErrorAs(t, err, &rejected)
+	require.Equal(t, http.StatusSeeOther, rejected.Status)
+	resp, err := client.Get(b.srv.URL + "/idempotency-keys/k1")
+	require.NoError(t, err)
+	body, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	require.NoError(t, err)
+	require.Equal(t, http.StatusConflict, resp.StatusCode)
+	require.JSONEq(t, `{"applied":false,"status":303}`, string(body))
+}
