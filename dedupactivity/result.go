@@ -3,6 +3,7 @@ package dedupactivity
 import (
 	"fmt"
 	"slices"
+	"unicode/utf8"
 
 	commonpb "go.temporal.io/api/common/v1"
 	"go.temporal.io/sdk/activity"
@@ -52,15 +53,21 @@ func (d *Deduper) encodeResult(dc converter.DataConverter, v any) ([]byte, *comm
 // marshalPayload serializes p as proto.Marshal does with Deterministic set
 // (metadata in key order), writing the wire format directly: the reflection
 // behind proto.Marshal cost more than the rest of the result's encoding on
-// every first delivery. A payload with fields this code does not write
-// (external payload details, unknown fields) goes through proto.Marshal.
+// every first delivery. A payload this code does not write goes through
+// proto.Marshal: nil, one with external payload details or unknown fields,
+// and one with a metadata key that is not UTF-8 (which proto refuses, both
+// ways, so a result that could not be read back is never stored).
+// TestMarshalPayload fails if Payload gains a field.
 func marshalPayload(p *commonpb.Payload) ([]byte, error) {
-	if len(p.GetExternalPayloads()) > 0 || len(p.ProtoReflect().GetUnknown()) > 0 {
+	if p == nil || len(p.ExternalPayloads) > 0 || len(p.ProtoReflect().GetUnknown()) > 0 {
 		return proto.MarshalOptions{Deterministic: true}.Marshal(p)
 	}
 	keys := make([]string, 0, len(p.Metadata))
 	size := len(p.Data)
 	for k, v := range p.Metadata {
+		if !utf8.ValidString(k) {
+			return proto.MarshalOptions{Deterministic: true}.Marshal(p)
+		}
 		keys = append(keys, k)
 		size += len(k) + len(v) + 18 // tags and lengths: at most 18 bytes
 	}
