@@ -68,8 +68,8 @@ CREATE TABLE floor_key (id_hash bytea PRIMARY KEY);`)
 	if b.discarding, err = dedupactivity.New(b.pool, dedupactivity.Options{ClaimWait: 30 * time.Second, DiscardResults: true}); err != nil {
 		return err
 	}
-	// The marker table without its expiry index, for the reference row that
-	// measures what the index costs.
+	// The marker table without its expiry index, for the reference rows
+	// that measure what the index costs (claiming first, and riding).
 	_, err = b.pool.Exec(ctx, `CREATE TABLE dedup_noidx (LIKE dedup_marker INCLUDING ALL) WITH (fillfactor = 80);
 DROP INDEX dedup_noidx_expires_at_idx`)
 	return err

@@ -169,11 +169,11 @@ func run() error {
 		// A subset of rows: their round trips, throughput and CPU only, to
 		// stdout.
 		for _, rt := range rep.roundTrips {
-			fmt.Printf("%-40s round trips: %d first, %d duplicate\n", rt.approach, rt.first, rt.dup)
+			fmt.Printf("%-46s round trips: %d first, %d duplicate\n", rt.approach, rt.first, rt.dup)
 		}
 		for _, c := range rep.cells {
 			server, client := c.cpuPerEvent()
-			fmt.Printf("%-40s %3d %7.0f/s  server %s µs  client %s µs  WAL %s B  %.2f writes\n", c.approach, c.conc, c.throughput(), server, client, c.walPerEvent(), float64(c.writes)/float64(max(c.events, 1)))
+			fmt.Printf("%-46s %3d %7.0f/s  server %s µs  client %s µs  WAL %s B  %.2f writes\n", c.approach, c.conc, c.throughput(), server, client, c.walPerEvent(), float64(c.writes)/float64(max(c.events, 1)))
 		}
 		return nil
 	}

@@ -358,7 +358,9 @@ func TestRedirectIsStoredAndRefused(t *testing.T) {
 	again := post()
 	require.Equal(t, http.StatusSeeOther, again.StatusCode, "replayed, not run again")
 	require.Equal(t, "true", again.Header.Get(idemhttp.ReplayedHeader))
+	require.Equal(t, "/receipts/1", again.Header.Get("Location"), "the stored response's")
 	require.Equal(t, int64(1), b.runs.Load())
+	require.Equal(t, 1, b.receipts(t), "a stored 3xx commits the handler's writes, once")
 
 	applied, err := b.m.Applied(context.Background(), "k1")
 	require.False(t, applied)
