@@ -103,6 +103,17 @@ func (b *testBundle) post(t *testing.T, path, key, body string) reply {
 	return reply{resp.StatusCode, resp.Header, string(got)}
 }
 
+// keyStatus asks StatusHandler about key.
+func (b *testBundle) keyStatus(t *testing.T, key string) reply {
+	t.Helper()
+	resp, err := b.srv.Client().Get(b.srv.URL + "/idempotency-keys/" + key)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	got, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	return reply{resp.StatusCode, resp.Header, string(got)}
+}
+
 func (b *testBundle) receipts(t *testing.T) int {
 	t.Helper()
 	var n int
@@ -275,12 +286,7 @@ func TestLimits(t *testing.T) {
 func TestStatusHandlerAnswersApplied(t *testing.T) {
 	t.Parallel()
 	b := setup(t, idemhttp.Options{})
-	get := func(key string) int {
-		resp, err := b.srv.Client().Get(b.srv.URL + "/idempotency-keys/" + key)
-		require.NoError(t, err)
-		resp.Body.Close()
-		return resp.StatusCode
-	}
+	get := func(key string) int { return b.keyStatus(t, key).status }
 	require.Equal(t, http.StatusNotFound, get("k1"))
 	require.Equal(t, http.StatusCreated, b.post(t, "/receipts", "k1", `{}`).status)
 	require.Equal(t, http.StatusOK, get("k1"))
@@ -290,13 +296,9 @@ func TestStatusHandlerAnswersApplied(t *testing.T) {
 	// applied.
 	b.status.Store(http.StatusPaymentRequired)
 	require.Equal(t, http.StatusPaymentRequired, b.post(t, "/receipts", "k3", `{}`).status)
-	resp, err := b.srv.Client().Get(b.srv.URL + "/idempotency-keys/k3")
-	require.NoError(t, err)
-	body, err := io.ReadAll(resp.Body)
-	resp.Body.Close()
-	require.NoError(t, err)
-	require.Equal(t, http.StatusConflict, resp.StatusCode)
-	require.JSONEq(t, `{"applied":false,"status":402}`, string(body))
+	r := b.keyStatus(t, "k3")
+	require.Equal(t, http.StatusConflict, r.status)
+	require.JSONEq(t, `{"applied":false,"status":402}`, r.body)
 	applied, err := b.m.Applied(context.Background(), "k3")
 	require.False(t, applied)
 	require.ErrorIs(t, err, outbox.ErrRejected)
@@ -367,11 +369,7 @@ func TestRedirectIsStoredAndRefused(t *testing.T) {
 	var rejected *idemhttp.RejectedError
 	require.ErrorAs(t, err, &rejected)
 	require.Equal(t, http.StatusSeeOther, rejected.Status)
-	resp, err := client.Get(b.srv.URL + "/idempotency-keys/k1")
-	require.NoError(t, err)
-	body, err := io.ReadAll(resp.Body)
-	resp.Body.Close()
-	require.NoError(t, err)
-	require.Equal(t, http.StatusConflict, resp.StatusCode)
-	require.JSONEq(t, `{"applied":false,"status":303}`, string(body))
+	r := b.keyStatus(t, "k1")
+	require.Equal(t, http.StatusConflict, r.status)
+	require.JSONEq(t, `{"applied":false,"status":303}`, r.body)
 }
