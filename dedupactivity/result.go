@@ -51,28 +51,37 @@ func (d *Deduper) encodeResult(dc converter.DataConverter, v any) ([]byte, *comm
 }
 
 // marshalPayload serializes p as proto.Marshal does with Deterministic set
-// (metadata in key order), writing the wire format directly: the reflection
-// behind proto.Marshal cost more than the rest of the result's encoding on
-// every first delivery. A payload this code does not write goes through
-// proto.Marshal: nil, one with external payload details or unknown fields,
-// and one with a metadata key that is not UTF-8 (which proto refuses, both
-// ways, so a result that could not be read back is never stored).
-// TestMarshalPayload fails if Payload gains a field.
+// (metadata in key order). writePayload writes what it can directly: the
+// reflection behind proto.Marshal cost more than the rest of the result's
+// encoding on every first delivery. The rest goes through proto.Marshal,
+// which refuses a metadata key that is not UTF-8 (as Unmarshal would), so a
+// result that could not be read back is never stored.
 func marshalPayload(p *commonpb.Payload) ([]byte, error) {
+	if b, ok := writePayload(p); ok {
+		return b, nil
+	}
+	return proto.MarshalOptions{Deterministic: true}.Marshal(p)
+}
+
+// writePayload writes p's wire format, or returns false for a payload it
+// does not write: nil, one with external payload details or unknown fields,
+// or one with a metadata key that is not UTF-8. TestMarshalPayload fails if
+// Payload gains a field.
+func writePayload(p *commonpb.Payload) ([]byte, bool) {
 	if p == nil || len(p.ExternalPayloads) > 0 || len(p.ProtoReflect().GetUnknown()) > 0 {
-		return proto.MarshalOptions{Deterministic: true}.Marshal(p)
+		return nil, false
 	}
 	keys := make([]string, 0, len(p.Metadata))
-	size := len(p.Data)
+	size := len(p.Data) + 6 // its tag and length: at most 6 bytes
 	for k, v := range p.Metadata {
 		if !utf8.ValidString(k) {
-			return proto.MarshalOptions{Deterministic: true}.Marshal(p)
+			return nil, false
 		}
 		keys = append(keys, k)
 		size += len(k) + len(v) + 18 // tags and lengths: at most 18 bytes
 	}
 	slices.Sort(keys)
-	b := make([]byte, 0, size+6)
+	b := make([]byte, 0, size)
 	for _, k := range keys {
 		v := p.Metadata[k]
 		entry := protowire.SizeTag(1) + protowire.SizeBytes(len(k)) + protowire.SizeTag(2) + protowire.SizeBytes(len(v))
@@ -87,7 +96,7 @@ func marshalPayload(p *commonpb.Payload) ([]byte, error) {
 		b = protowire.AppendTag(b, 2, protowire.BytesType)
 		b = protowire.AppendBytes(b, p.Data)
 	}
-	return b, nil
+	return b, true
 }
 
 // decodeResult decodes a stored result into out (a pointer).
