@@ -29,7 +29,10 @@ type Deduper struct {
 }
 
 // New returns a Deduper storing its markers through pool. opts is checked;
-// an error names the field at fault and wraps ErrInvalidOptions.
+// an error names the field at fault and wraps ErrInvalidOptions. New
+// registers the MetricOldestMarkerAge gauge with Options.MeterProvider for
+// the life of the process, read by one query per collection: make one
+// Deduper per table and share it.
 func New(pool *pgxpool.Pool, opts Options) (*Deduper, error) {
 	if pool == nil {
 		return nil, fmt.Errorf("%w: pool is nil", ErrInvalidOptions)

@@ -96,7 +96,10 @@ type Outbox struct {
 }
 
 // New returns an Outbox on pool. opts is checked; an error names the field
-// at fault and wraps ErrInvalidConfig.
+// at fault and wraps ErrInvalidConfig. New registers the backlog gauges
+// (MetricMessages, MetricOldestPendingAge) with Options.MeterProvider for
+// the life of the process, each read by one query per collection: make one
+// Outbox per table and share it (it is safe for concurrent use).
 func New(pool *pgxpool.Pool, opts Options) (*Outbox, error) {
 	if pool == nil {
 		return nil, fmt.Errorf("%w: pool is nil", ErrInvalidConfig)
