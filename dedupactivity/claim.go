@@ -137,9 +137,9 @@ func (d *Deduper) claim(ctx context.Context, m *marker, ride bool, fn applyFunc)
 	switch tx.conn.PgConn().TxStatus() {
 	case 'I':
 		if tx.state == stateLooked {
-			// Only statements with bind parameters ran, which cannot end a
-			// transaction; should one have, say so loudly.
-			return a, fmt.Errorf("%w: the transaction ended (COMMIT or ROLLBACK) before the marker was written; whatever it committed is not marked", ErrTxEnded)
+			// Statements with bind parameters cannot end a transaction: a
+			// call without them did, after a statement failed (see ready).
+			return a, errEndedUnmarked()
 		}
 		return a, d.endedByEffect(ctx, tx.conn, m)
 	case 'E':
@@ -166,6 +166,12 @@ func (d *Deduper) claim(ctx context.Context, m *marker, ride bool, fn applyFunc)
 	}
 	a.outcome, a.result = OutcomeClaimed, result
 	return a, nil
+}
+
+// errEndedUnmarked is the error of an effect that ended the transaction of
+// a claim that went as a look, before the marker's key went in.
+func errEndedUnmarked() error {
+	return fmt.Errorf("%w: it ran ROLLBACK (or COMMIT after a failed statement) before the marker was written: nothing of the transaction committed, and a later delivery applies the effect", ErrTxEnded)
 }
 
 // claimFailed finishes a delivery whose claim found the event applied (a

@@ -105,6 +105,13 @@ func (t *claimTx) ready(ctx context.Context, args []any) error {
 	case t.state == stateNone:
 		_, err := t.send(ctx, nil)
 		return err
+	case t.state == stateLooked && t.riding == nil && t.conn.PgConn().TxStatus() == 'I':
+		// A call without bind parameters ended the failed transaction
+		// (ROLLBACK, or COMMIT, which rolls a failed one back) before the
+		// key went in: nothing more may run, or it would commit on its own.
+		// (While the batch the first statement rode in is open, its BEGIN
+		// is not acknowledged yet, and the status says nothing.)
+		t.claimErr = errEndedUnmarked()
 	case t.state == stateLooked && !positional(args) && t.conn.PgConn().TxStatus() != 'E':
 		// (A failed transaction commits nothing: the call fails as it is.)
 		t.state = stateClaimed

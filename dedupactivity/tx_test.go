@@ -56,20 +56,27 @@ func TestEffectEndingTheTransactionWithSQL(t *testing.T) {
 		retryApplies    bool  // a later delivery applies the effect
 	}
 	cases := map[string]struct {
-		sql  []string
-		want want
+		failed bool // first a statement with a bind parameter fails, and the effect ignores it
+		sql    []string
+		want   want
 	}{
 		// Everything rolled back, the marker too: the event is not lost,
 		// a retry applies it once.
-		"Rollback": {[]string{"ROLLBACK"}, want{ledger: 0, markers: 0, retryApplies: true}},
+		"Rollback": {sql: []string{"ROLLBACK"}, want: want{ledger: 0, markers: 0, retryApplies: true}},
 		// A new transaction after the ROLLBACK, with a write: the claim's
 		// check fails it, so that write does not commit either.
-		"RollbackBeginWrite": {[]string{"ROLLBACK", "BEGIN", `INSERT INTO ledger (account, amount) VALUES ('b', 99)`}, want{ledger: 0, markers: 0, retryApplies: true}},
+		"RollbackBeginWrite": {sql: []string{"ROLLBACK", "BEGIN", `INSERT INTO ledger (account, amount) VALUES ('b', 99)`}, want: want{ledger: 0, markers: 0, retryApplies: true}},
 		// The marker committed with the effect's writes: the event is
 		// marked, later deliveries apply nothing.
-		"Commit": {[]string{"COMMIT"}, want{ledger: 1, markers: 1}},
+		"Commit": {sql: []string{"COMMIT"}, want: want{ledger: 1, markers: 1}},
 		// COMMIT, then a new transaction with a write that does not commit.
-		"CommitBeginWrite": {[]string{"COMMIT", "BEGIN", `INSERT INTO ledger (account, amount) VALUES ('b', 99)`}, want{ledger: 1, markers: 1}},
+		"CommitBeginWrite": {sql: []string{"COMMIT", "BEGIN", `INSERT INTO ledger (account, amount) VALUES ('b', 99)`}, want: want{ledger: 1, markers: 1}},
+		// A first attempt's claim went as a look, and the failed
+		// transaction ended before the marker's key went in: nothing
+		// after it may run, or it would commit unmarked.
+		"FailedRollbackBeginWrite": {failed: true, sql: []string{"ROLLBACK", "BEGIN", `INSERT INTO ledger (account, amount) VALUES ('b', 99)`}, want: want{ledger: 0, markers: 0, retryApplies: true}},
+		// COMMIT of a failed transaction rolls it back.
+		"FailedCommit": {failed: true, sql: []string{"COMMIT"}, want: want{ledger: 0, markers: 0, retryApplies: true}},
 	}
 	for name, c := range cases {
 		for _, discard := range []bool{false, true} {
@@ -81,6 +88,10 @@ func TestEffectEndingTheTransactionWithSQL(t *testing.T) {
 					p, err := b.post(ctx, tx, in)
 					if err != nil || !misuse {
 						return p, err
+					}
+					if c.failed {
+						_, err := tx.Exec(ctx, "SELECT 1/$1::int", 0)
+						require.Error(t, err)
 					}
 					for _, sql := range c.sql {
 						if _, err := tx.Exec(ctx, sql); err != nil {
