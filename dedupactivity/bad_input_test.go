@@ -87,6 +87,29 @@ func TestBadCalls(t *testing.T) {
 			require.True(t, ae.NonRetryable())
 		}
 	})
+	// What Temporal records for an error of the key function: the SDK
+	// converts the error an activity returns by its top-level type.
+	t.Run("BusinessKeyFunctionFails", func(t *testing.T) {
+		cases := map[string]struct {
+			err          error
+			message      string
+			nonRetryable bool
+		}{
+			"ApplicationError": {temporal.NewNonRetryableApplicationError("order not found", "BadOrder", nil), "order not found", true},
+			"OtherError":       {errors.New("lookup failed"), "dedupactivity: business key: lookup failed", false},
+		}
+		for name, c := range cases {
+			fn := dedupactivity.Wrap(b.d, b.post, dedupactivity.WithBusinessKey(func(Transfer) (string, error) { return "", c.err }))
+			_, err := deliver(t, "Keyed", fn, Transfer{Account: "a", Amount: 1})
+			f := temporal.GetDefaultFailureConverter().ErrorToFailure(err)
+			require.Equal(t, c.message, f.GetMessage(), name)
+			require.NotNil(t, f.GetApplicationFailureInfo(), name)
+			require.Equal(t, c.nonRetryable, f.GetApplicationFailureInfo().GetNonRetryable(), name)
+			if name == "ApplicationError" {
+				require.Equal(t, "BadOrder", f.GetApplicationFailureInfo().GetType())
+			}
+		}
+	})
 	t.Run("HugeBusinessKey", func(t *testing.T) {
 		fn := dedupactivity.Wrap(b.d, b.post, dedupactivity.WithBusinessKey(func(Transfer) (string, error) {
 			return strings.Repeat("k", 1<<20), nil

@@ -59,6 +59,11 @@ type wrapConfig struct {
 // dropped and member order is ignored. So adding a field to the input
 // struct, or omitempty, changes nothing for inputs that leave it at its
 // zero value.
+//
+// An error from key fails the attempt before anything is claimed. A
+// *temporal.ApplicationError reaches Temporal unchanged, so
+// temporal.NewNonRetryableApplicationError stops the retries of an input
+// that has no key; any other error is retryable.
 func WithBusinessKey[In any](key func(in In) (string, error)) WrapOption {
 	return wrapOptionFunc(func(c *wrapConfig) {
 		c.keyType = reflect.TypeFor[In]()
@@ -184,6 +189,9 @@ func (w *wrapper[In, Out]) run(ctx context.Context, in In) (Out, error) {
 	if w.cfg.keyFn != nil {
 		key, err := w.cfg.keyFn(in)
 		if err != nil {
+			if errors.As(err, new(*temporal.ApplicationError)) {
+				return zero, err // the key function's own, unchanged, as the effect's
+			}
 			return zero, toTemporal(fmt.Errorf("dedupactivity: business key: %w", err))
 		}
 		id = Identity{Kind: KindBusinessKey, Namespace: info.Namespace, ActivityType: info.ActivityType.Name, Key: key}
