@@ -175,6 +175,39 @@ func TestPrune(t *testing.T) {
 	require.Equal(t, int64(2), b.effects.Load())
 }
 
+// TestPrunersShareAWorker: one worker registers the pruners of two tables,
+// and the pruning workflow prunes the table whose activity it is given.
+func TestPrunersShareAWorker(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	ctx := context.Background()
+	other, err := dedupactivity.New(b.pool, dedupactivity.Options{Table: "dedup_other"})
+	require.NoError(t, err)
+	require.NoError(t, other.Migrate(ctx))
+	in := Transfer{Account: "a", Amount: 1}
+	for _, d := range []*dedupactivity.Deduper{b.d, other} {
+		_, err := deliver(t, "Post", dedupactivity.Wrap(d, b.post), in)
+		require.NoError(t, err)
+	}
+	for _, table := range []string{"dedup_marker", "dedup_other"} {
+		_, err = b.pool.Exec(ctx, `UPDATE `+table+` SET expires_at = now() - interval '1 second'`)
+		require.NoError(t, err)
+	}
+
+	var s testsuite.WorkflowTestSuite
+	env := s.NewTestWorkflowEnvironment()
+	dedupactivity.RegisterPruner(env, b.d)
+	dedupactivity.RegisterPruner(env, other)
+	env.ExecuteWorkflow("DedupPrune", dedupactivity.PruneActivityName(other))
+	require.True(t, env.IsWorkflowCompleted())
+	require.NoError(t, env.GetWorkflowError())
+	var res dedupactivity.PruneResult
+	require.NoError(t, env.GetWorkflowResult(&res))
+	require.Equal(t, int64(1), res.Deleted)
+	require.Equal(t, int64(0), b.count(t, `SELECT count(*) FROM dedup_other`))
+	require.Equal(t, int64(1), b.count(t, `SELECT count(*) FROM dedup_marker`), "the other table's run left this one")
+}
+
 func TestPruneBatchesAndRetentionBound(t *testing.T) {
 	t.Parallel()
 	b := setup(t, dedupactivity.Options{Retention: time.Minute})

@@ -79,9 +79,11 @@ type PruneResult struct {
 
 // RegisterPruner registers the pruning workflow and d's prune activity on a
 // worker, so a Temporal Schedule (EnsurePruneSchedule) can run Prune on the
-// same engine as everything else, visible in the Web UI.
+// same engine as everything else, visible in the Web UI. Call it once for
+// each Deduper a worker prunes: the workflow is shared, the activity is d's.
 func RegisterPruner(r worker.Registry, d *Deduper) {
-	r.RegisterWorkflowWithOptions(pruneWorkflow, workflow.RegisterOptions{Name: pruneWorkflowName})
+	// The same function each time: registering it again is not a conflict.
+	r.RegisterWorkflowWithOptions(pruneWorkflow, workflow.RegisterOptions{Name: pruneWorkflowName, DisableAlreadyRegisteredCheck: true})
 	r.RegisterActivityWithOptions(d.pruneActivity, activity.RegisterOptions{Name: d.pruneActivityName()})
 }
 

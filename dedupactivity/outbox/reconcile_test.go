@@ -99,9 +99,7 @@ func (rv *receiver) checker() outbox.Checker {
 
 func (b *testBundle) relayTo(t *testing.T, url string, cfg outbox.RelayConfig) *outbox.Relay {
 	t.Helper()
-	s, err := outbox.NewHTTPSender(outbox.HTTPSenderConfig{Endpoints: map[string]string{"receipts": url}, Timeout: 2 * time.Second})
-	require.NoError(t, err)
-	cfg.Sender = s
+	cfg.Sender = httpSender(t, url)
 	r, err := outbox.NewRelay(b.ob, cfg)
 	require.NoError(t, err)
 	return r

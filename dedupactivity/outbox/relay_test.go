@@ -28,9 +28,7 @@ import (
 func (b *testBundle) relay(t *testing.T, dest *destination, cfg outbox.RelayConfig) *outbox.Relay {
 	t.Helper()
 	if cfg.Sender == nil {
-		s, err := outbox.NewHTTPSender(outbox.HTTPSenderConfig{Endpoints: map[string]string{"receipts": dest.URL}, Timeout: 2 * time.Second})
-		require.NoError(t, err)
-		cfg.Sender = s
+		cfg.Sender = httpSender(t, dest.URL)
 	}
 	r, err := outbox.NewRelay(b.ob, cfg)
 	require.NoError(t, err)
@@ -354,6 +352,47 @@ func TestRelayWorkflowRunsTheActivity(t *testing.T) {
 	var res outbox.RelayResult
 	require.NoError(t, env.GetWorkflowResult(&res))
 	require.Equal(t, 7, res.Delivered)
+}
+
+// TestOutboxesShareAWorker: one worker registers the relays and
+// reconcilers of two outboxes, and the relay workflow runs the relay of the
+// outbox whose activity it is given.
+func TestOutboxesShareAWorker(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	dest := newDestination(t, nil)
+	ob2, err := outbox.New(b.schema.Pool, outbox.Options{Table: "dedup_outbox_2"})
+	require.NoError(t, err)
+	require.NoError(t, ob2.Migrate(context.Background()))
+	r1 := b.relay(t, dest, outbox.RelayConfig{})
+	r2, err := outbox.NewRelay(ob2, outbox.RelayConfig{Sender: httpSender(t, dest.URL)})
+	require.NoError(t, err)
+	checker := outbox.HTTPChecker{URL: outbox.StatusURL(map[string]string{"receipts": dest.URL + "/idempotency-keys"})}
+	var suite testsuite.WorkflowTestSuite
+	env := suite.NewTestWorkflowEnvironment()
+	for _, ob := range []*outbox.Outbox{b.ob, ob2} {
+		rc, err := outbox.NewReconciler(ob, outbox.ReconcilerConfig{Checker: checker})
+		require.NoError(t, err)
+		outbox.RegisterReconciler(env, rc)
+	}
+	outbox.RegisterRelay(env, r1)
+	outbox.RegisterRelay(env, r2)
+
+	b.placeN(t, 2)
+	env.ExecuteWorkflow("DedupOutboxRelay", outbox.RelayActivityName(r1))
+	require.NoError(t, env.GetWorkflowError())
+	var res outbox.RelayResult
+	require.NoError(t, env.GetWorkflowResult(&res))
+	require.Equal(t, outbox.RelayResult{Delivered: 2}, res)
+	require.Equal(t, 2, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'sent'`))
+}
+
+// httpSender sends the "receipts" destination's messages to url.
+func httpSender(t *testing.T, url string) outbox.Sender {
+	t.Helper()
+	s, err := outbox.NewHTTPSender(outbox.HTTPSenderConfig{Endpoints: map[string]string{"receipts": url}, Timeout: 2 * time.Second})
+	require.NoError(t, err)
+	return s
 }
 
 func TestRelayTelemetry(t *testing.T) {

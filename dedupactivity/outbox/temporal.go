@@ -37,7 +37,9 @@ func (rc *Reconciler) reconcileActivityName() string {
 // alone when a delivery delay of up to the schedule's interval is fine, or
 // beside Run loops as a sweeper.
 func RegisterRelay(r worker.Registry, relay *Relay) {
-	r.RegisterWorkflowWithOptions(relayWorkflow, workflow.RegisterOptions{Name: relayWorkflowName})
+	// The same function for every outbox: registering it again is not a
+	// conflict.
+	r.RegisterWorkflowWithOptions(relayWorkflow, workflow.RegisterOptions{Name: relayWorkflowName, DisableAlreadyRegisteredCheck: true})
 	r.RegisterActivityWithOptions(relay.Activity, activity.RegisterOptions{Name: relay.relayActivityName()})
 }
 
@@ -57,7 +59,7 @@ func relayWorkflow(ctx workflow.Context, activityName string) (RelayResult, erro
 // RegisterReconciler registers the reconcile workflow and rc's activity on a
 // worker; the activity runs Reconcile and returns its ReconcileReport.
 func RegisterReconciler(r worker.Registry, rc *Reconciler) {
-	r.RegisterWorkflowWithOptions(reconcileWorkflow, workflow.RegisterOptions{Name: reconcileWorkflowName})
+	r.RegisterWorkflowWithOptions(reconcileWorkflow, workflow.RegisterOptions{Name: reconcileWorkflowName, DisableAlreadyRegisteredCheck: true})
 	r.RegisterActivityWithOptions(rc.Reconcile, activity.RegisterOptions{Name: rc.reconcileActivityName()})
 }
 
