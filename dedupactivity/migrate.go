@@ -75,6 +75,8 @@ const migrateLockKey int64 = 0x6465_6475_705f_6d69 // "dedup_mi"
 //     files is simply made again.
 //   - A version recorded by a newer release of this package fails with
 //     ErrSchemaTooNew.
+//   - A table of the other layout (partitioned, or not, against
+//     Options.PartitionInterval) fails with ErrInvalidOptions.
 func (d *Deduper) Migrate(ctx context.Context) error {
 	migs, err := readMigrations(d.opts.PartitionInterval > 0)
 	if err != nil {
@@ -85,8 +87,13 @@ func (d *Deduper) Migrate(ctx context.Context) error {
 
 	var columns int
 	var hasFunc, hasVersions bool
-	if err := d.pool.QueryRow(ctx, catalogSQL, d.store.table, markerColumns, versionTable, d.qualify(d.opts.Table+"_ended")+"()").Scan(&columns, &hasVersions, &hasFunc); err != nil {
+	var partitioned *bool // nil: no table yet
+	if err := d.pool.QueryRow(ctx, catalogSQL, d.store.table, markerColumns, versionTable, d.qualify(d.opts.Table+"_ended")+"()").Scan(&columns, &hasVersions, &hasFunc, &partitioned); err != nil {
 		return fmt.Errorf("dedupactivity: migrate: read catalog: %w", err)
+	}
+	if partitioned != nil && *partitioned != (d.opts.PartitionInterval > 0) {
+		layout := map[bool]string{true: "the partitioned layout (PartitionInterval set)", false: "the default layout (PartitionInterval 0)"}
+		return fmt.Errorf("%w: %s is a table of %s, and these Options are for %s: give Options the table's layout, or another Table", ErrInvalidOptions, d.store.table, layout[*partitioned], layout[!*partitioned])
 	}
 	var recorded *int
 	if hasVersions { // and readable: a role without SELECT on it skips this check

@@ -2,6 +2,7 @@ package dedupactivity_test
 
 import (
 	"context"
+	"strings"
 	"testing"
 	"time"
 
@@ -66,4 +67,29 @@ func TestPartitionedLayout(t *testing.T) {
 	_, _, err = dedupactivity.Do(ctx, b.d, id, Transfer{Account: "a", Amount: 1}, b.post)
 	require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions)
 	require.Equal(t, int64(1), b.ledgerRows(t), "nothing refused wrote anything")
+}
+
+// TestMigrateRefusesTheOtherLayout: Options whose layout is not the
+// table's fail at Migrate, before any delivery, in both directions.
+func TestMigrateRefusesTheOtherLayout(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	ctx := context.Background()
+	partitioned := dedupactivity.Options{PartitionInterval: time.Hour, Retention: time.Hour}
+	cases := map[string]struct{ made, used dedupactivity.Options }{
+		"PartitionedTableDefaultOptions": {partitioned, dedupactivity.Options{}},
+		"DefaultTablePartitionedOptions": {dedupactivity.Options{}, partitioned},
+	}
+	for name, c := range cases {
+		c.made.Table, c.used.Table = strings.ToLower(name), strings.ToLower(name)
+		made, err := dedupactivity.New(b.pool, c.made)
+		require.NoError(t, err, name)
+		require.NoError(t, made.Migrate(ctx), name)
+		used, err := dedupactivity.New(b.pool, c.used)
+		require.NoError(t, err, name)
+		err = used.Migrate(ctx)
+		require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions, name)
+		require.ErrorContains(t, err, "layout", name)
+		require.NoError(t, made.Migrate(ctx), "%s: the table's own layout still migrates", name)
+	}
 }

@@ -131,12 +131,14 @@ FROM (SELECT) AS one LEFT JOIN ` + table + ` AS m ON m.id_hash = $1` + lookCond,
 // Migrations (migrate.go).
 const (
 	// catalogSQL counts which of the columns $2 the table $1 has, says
-	// whether the version table $3 exists and can be read, and whether the
-	// function $4 exists.
+	// whether the version table $3 exists and can be read, whether the
+	// function $4 exists, and whether $1 is a partitioned table (NULL when
+	// there is no table $1).
 	catalogSQL = `SELECT
 	(SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = ANY($2) AND NOT attisdropped),
 	(SELECT coalesce(has_table_privilege(to_regclass($3), 'SELECT'), false)),
-	(SELECT to_regprocedure($4) IS NOT NULL)`
+	(SELECT to_regprocedure($4) IS NOT NULL),
+	(SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($1))`
 	advisoryXactLockSQL   = `SELECT pg_advisory_xact_lock($1)`
 	setLocalSearchPathSQL = `SELECT set_config('search_path', $1, true)`
 )
