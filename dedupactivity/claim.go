@@ -399,11 +399,11 @@ func (d *Deduper) endedByEffect(ctx context.Context, conn *pgx.Conn, m *marker) 
 	case err != nil:
 		return fmt.Errorf("%w; reading the marker to tell whether it committed failed: %w", ErrTxEnded, err)
 	case found && m.insertedBy(st.xmin):
-		return fmt.Errorf("%w: it ran COMMIT: the marker and the effect's writes before the COMMIT committed, without a result, and nothing after it; later deliveries apply nothing and fail with this error", ErrTxEnded)
+		return fmt.Errorf("%w: it ran COMMIT: the marker and the effect's writes before the COMMIT committed, without a result, and nothing after it; later deliveries apply nothing (and, unless results are discarded, fail with this error)", ErrTxEnded)
 	case found:
 		return fmt.Errorf("%w: it ran ROLLBACK: nothing of this attempt committed, and another attempt has applied the event since", ErrTxEnded)
 	default:
-		return fmt.Errorf("%w: it ran ROLLBACK: nothing of this attempt committed; a retry applies the effect", ErrTxEnded)
+		return fmt.Errorf("%w: it ran ROLLBACK: nothing of this attempt committed; a later delivery applies the effect", ErrTxEnded)
 	}
 }
 

@@ -42,7 +42,7 @@ type Claim[Out any] struct {
 // The claim inserts the marker right away, so a concurrent attempt of the
 // same event waits (at most Options.ClaimWait) until tx ends. Committing tx
 // without Complete marks the event without a result: later deliveries fail
-// with ErrTxEnded. Any isolation level works; under REPEATABLE READ and
+// with ErrTxEnded (with Options.DiscardResults, they are duplicates). Any isolation level works; under REPEATABLE READ and
 // SERIALIZABLE a concurrent commit of the same event is a serialization
 // failure (SQLSTATE 40001) that the caller retries as usual. The
 // partitioned layout is not supported (its key is the activity's

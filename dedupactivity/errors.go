@@ -53,9 +53,12 @@ var (
 	// ErrTxEnded is returned when an effect ended the claim transaction
 	// itself with SQL (COMMIT or ROLLBACK); the message says which, and what
 	// was committed. Nothing more is written for that attempt. If it was a
-	// COMMIT, the event is marked without a result, and every later delivery
-	// fails with this error too. At the activity edge it becomes a
-	// non-retryable ApplicationError of type ErrTypeInvalidUsage.
+	// COMMIT, the event is marked without a result: later deliveries apply
+	// nothing and, unless results are discarded (Options.DiscardResults),
+	// fail with this error too. At the activity edge it becomes a
+	// non-retryable ApplicationError of type ErrTypeInvalidUsage, so after a
+	// ROLLBACK the effect is applied by a later delivery (a reset, or the
+	// workflow's next call), not by Temporal's retries.
 	ErrTxEnded = errors.New("dedupactivity: the effect ended the claim transaction")
 
 	// ErrReadOnly is returned when the claim's transaction is read-only
