@@ -44,6 +44,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net/http"
 	"time"
 
@@ -110,6 +111,12 @@ type Options struct {
 	//
 	// Defaults to Content-Type, Location and ETag.
 	ReplayHeaders []string
+
+	// Logger records the error behind each 500 response; the client gets
+	// only {"error":"internal error"}, not the database's message.
+	//
+	// Defaults to slog.Default().
+	Logger *slog.Logger
 }
 
 // Middleware deduplicates requests by key. Build it with New.
@@ -137,6 +144,9 @@ func New(pool *pgxpool.Pool, opts Options) (*Middleware, error) {
 	if opts.ReplayHeaders == nil {
 		opts.ReplayHeaders = []string{"Content-Type", "Location", "ETag"}
 	}
+	if opts.Logger == nil {
+		opts.Logger = slog.Default()
+	}
 	switch {
 	case opts.MaxBodyBytes < 0:
 		return nil, fmt.Errorf("%w: MaxBodyBytes must not be negative, got %d", dedupactivity.ErrInvalidOptions, opts.MaxBodyBytes)
@@ -144,6 +154,8 @@ func New(pool *pgxpool.Pool, opts Options) (*Middleware, error) {
 		return nil, fmt.Errorf("%w: Dedup.DiscardResults cannot be set: a replay returns the stored response", dedupactivity.ErrInvalidOptions)
 	case opts.Dedup.MismatchPolicy != dedupactivity.MismatchReject:
 		return nil, fmt.Errorf("%w: Dedup.MismatchPolicy must be MismatchReject: the same key with another request gets 422", dedupactivity.ErrInvalidOptions)
+	case opts.Dedup.PartitionInterval > 0:
+		return nil, fmt.Errorf("%w: Dedup.PartitionInterval cannot be set: request keys are business keys, which the partitioned layout does not hold", dedupactivity.ErrInvalidOptions)
 	}
 	opts.Dedup.ClaimWait = opts.InFlightWait
 	d, err := dedupactivity.New(pool, opts.Dedup)
@@ -256,7 +268,7 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 			w.Header().Set("Retry-After", "1")
 			writeError(w, http.StatusConflict, "a request with this "+m.opts.KeyHeader+" is still being processed; retry later")
 		default:
-			writeError(w, http.StatusInternalServerError, "idempotency store: "+err.Error())
+			m.internalError(w, r, fmt.Errorf("idemhttp: idempotency store: %w", err))
 		}
 	})
 }
@@ -319,13 +331,19 @@ func (m *Middleware) StatusHandler() http.Handler {
 		case errors.As(err, &rejected):
 			writeJSON(w, http.StatusConflict, map[string]any{"applied": false, "status": rejected.Status})
 		case err != nil:
-			writeError(w, http.StatusInternalServerError, err.Error())
+			m.internalError(w, r, err)
 		case applied:
 			writeJSON(w, http.StatusOK, map[string]any{"applied": true})
 		default:
 			writeJSON(w, http.StatusNotFound, map[string]any{"applied": false})
 		}
 	})
+}
+
+// internalError answers 500 and logs err, which the client does not see.
+func (m *Middleware) internalError(w http.ResponseWriter, r *http.Request, err error) {
+	m.opts.Logger.ErrorContext(r.Context(), "idemhttp: answered 500", "method", r.Method, "path", r.URL.Path, "error", err)
+	writeError(w, http.StatusInternalServerError, "internal error")
 }
 
 func writeError(w http.ResponseWriter, status int, msg string) {

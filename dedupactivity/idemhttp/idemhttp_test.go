@@ -1,9 +1,11 @@
 package idemhttp_test
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"io"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"strconv"
@@ -334,6 +336,26 @@ func TestScopesSeparateKeys(t *testing.T) {
 	require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions)
 	_, err = idemhttp.New(s.Pool, idemhttp.Options{Dedup: dedupactivity.Options{MismatchPolicy: dedupactivity.MismatchReturnStored}})
 	require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions)
+	// Request keys are business keys, which the partitioned layout refuses.
+	_, err = idemhttp.New(s.Pool, idemhttp.Options{Dedup: dedupactivity.Options{PartitionInterval: time.Hour}})
+	require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions)
+}
+
+// TestStoreFailureIs500WithoutDetails: when the store fails (here its table
+// is gone), the client gets a 500 that names nothing of the database, and
+// the error goes to Options.Logger.
+func TestStoreFailureIs500WithoutDetails(t *testing.T) {
+	t.Parallel()
+	var logged bytes.Buffer
+	b := setup(t, idemhttp.Options{Logger: slog.New(slog.NewTextHandler(&logged, nil))})
+	_, err := b.schema.Pool.Exec(context.Background(), `DROP TABLE dedup_marker`)
+	require.NoError(t, err)
+	for _, got := range []reply{b.post(t, "/receipts", "k", `{}`), b.keyStatus(t, "k")} {
+		require.Equal(t, http.StatusInternalServerError, got.status)
+		require.JSONEq(t, `{"error":"internal error"}`, got.body)
+	}
+	require.Equal(t, 2, strings.Count(logged.String(), "dedup_marker"), "both errors are logged, with the database's words: %s", logged.String())
+	require.Zero(t, b.runs.Load(), "the handler never ran")
 }
 
 // TestRedirectIsStoredAndRefused: a 3xx is final, so it is stored and
