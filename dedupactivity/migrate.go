@@ -117,17 +117,38 @@ func (d *Deduper) Migrate(ctx context.Context) error {
 	return nil
 }
 
-// applyMigrations runs the migrations in one transaction under migrateLockKey.
+// createSchema creates Options.Schema (if set) unless it exists, in a
+// statement of its own, before the migration's transaction. Inside that
+// transaction, CREATE SCHEMA IF NOT EXISTS run after waiting for the lock
+// while another process created the schema could fail with a
+// unique_violation on pg_namespace: it did not see the other's commit
+// (outbox's TestMigrateIdempotentAndConcurrent, a Deduper and an Outbox
+// migrating into one new schema). Here the same schema created at once
+// elsewhere (unique_violation, or duplicate_schema) has committed, which is
+// all this asks, and the transaction begins after it.
+func (d *Deduper) createSchema(ctx context.Context) error {
+	if d.opts.Schema == "" {
+		return nil
+	}
+	_, err := d.pool.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS `+pgx.Identifier{d.opts.Schema}.Sanitize())
+	if s := sqlState(err); s == stateUniqueViolation || s == stateDuplicateSchema {
+		return nil
+	}
+	return err
+}
+
+// applyMigrations runs the migrations in one transaction under
+// migrateLockKey, after creating the schema on its own (see createSchema).
 func (d *Deduper) applyMigrations(ctx context.Context, migs []migration, versionTable string) error {
+	if err := d.createSchema(ctx); err != nil {
+		return fmt.Errorf("dedupactivity: migrate: create schema: %w", err)
+	}
 	return pgx.BeginFunc(ctx, d.pool, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, advisoryXactLockSQL, migrateLockKey); err != nil {
 			return fmt.Errorf("dedupactivity: migrate: advisory lock: %w", err)
 		}
 		if d.opts.Schema != "" {
 			schema := pgx.Identifier{d.opts.Schema}.Sanitize()
-			if _, err := tx.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS `+schema); err != nil {
-				return fmt.Errorf("dedupactivity: migrate: create schema: %w", err)
-			}
 			// The files name tables unqualified.
 			if _, err := tx.Exec(ctx, setLocalSearchPathSQL, schema); err != nil {
 				return fmt.Errorf("dedupactivity: migrate: search_path: %w", err)

@@ -353,15 +353,18 @@ func (ob *Outbox) Prune(ctx context.Context) (int64, error) {
 var migrationFileRE = regexp.MustCompile(`^(\d{3})_([a-z0-9_]+)\.(up|down)\.sql$`)
 
 // Migrate creates or upgrades the outbox table (and its schema). It is
-// idempotent and safe to run from many processes at once: it runs in one
-// transaction holding an advisory lock keyed by the table, and records
-// applied versions in <Table>_migration.
+// idempotent and safe to run from many processes at once: it creates the
+// schema on its own, then runs in one transaction holding an advisory lock
+// keyed by the table, and records applied versions in <Table>_migration.
 func (ob *Outbox) Migrate(ctx context.Context) error {
 	names, err := fs.Glob(outbox.FS, "*.up.sql")
 	if err != nil {
 		return fmt.Errorf("outbox: migrate: %w", err)
 	}
 	sort.Strings(names)
+	if err := ob.createSchema(ctx); err != nil {
+		return fmt.Errorf("outbox: migrate: create schema: %w", err)
+	}
 	tx, err := ob.pool.Begin(ctx)
 	if err != nil {
 		return fmt.Errorf("outbox: migrate: begin: %w", err)
@@ -372,9 +375,6 @@ func (ob *Outbox) Migrate(ctx context.Context) error {
 	}
 	if ob.opts.Schema != "" {
 		schema := pgx.Identifier{ob.opts.Schema}.Sanitize()
-		if _, err := tx.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS `+schema); err != nil {
-			return fmt.Errorf("outbox: migrate: create schema: %w", err)
-		}
 		if _, err := tx.Exec(ctx, `SELECT set_config('search_path', $1, true)`, schema); err != nil {
 			return fmt.Errorf("outbox: migrate: search_path: %w", err)
 		}
@@ -423,6 +423,25 @@ func (ob *Outbox) Migrate(ctx context.Context) error {
 		return fmt.Errorf("outbox: migrate: commit: %w", err)
 	}
 	return nil
+}
+
+// createSchema creates Options.Schema (if set) unless it exists, in a
+// statement of its own, before the migration's transaction, as
+// dedupactivity's Deduper.Migrate does (see its createSchema): created
+// inside, it could fail with a unique_violation when another process,
+// outbox or Deduper, created it while this one waited for the lock. The
+// same schema created at once elsewhere (unique_violation, or
+// duplicate_schema) has committed, which is all this asks.
+func (ob *Outbox) createSchema(ctx context.Context) error {
+	if ob.opts.Schema == "" {
+		return nil
+	}
+	_, err := ob.pool.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS `+pgx.Identifier{ob.opts.Schema}.Sanitize())
+	var pgErr interface{ SQLState() string }
+	if errors.As(err, &pgErr) && (pgErr.SQLState() == "23505" || pgErr.SQLState() == "42P06") {
+		return nil
+	}
+	return err
 }
 
 func (ob *Outbox) lockKey(purpose string) int64 {

@@ -5,6 +5,7 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"io/fs"
 	"net/http"
@@ -216,6 +217,30 @@ func TestMigrateIdempotentAndConcurrent(t *testing.T) {
 	st, err := ob.Stats(context.Background())
 	require.NoError(t, err)
 	require.Zero(t, st.Enqueued())
+
+	// Outboxes and marker tables migrated at once into one new schema do
+	// not race on creating it.
+	for round := range 5 {
+		schema := fmt.Sprintf("%s_new%d", s.Name, round)
+		t.Cleanup(func() { _, _ = pgtestDrop(s, schema) })
+		var migrate []func(context.Context) error
+		for i := range 4 {
+			ob, err := outbox.New(s.Pool, outbox.Options{Schema: schema, Table: fmt.Sprintf("outbox_%d", i)})
+			require.NoError(t, err)
+			d, err := dedupactivity.New(s.Pool, dedupactivity.Options{Schema: schema, Table: fmt.Sprintf("markers_%d", i)})
+			require.NoError(t, err)
+			migrate = append(migrate, ob.Migrate, d.Migrate)
+		}
+		errs := make(chan error, len(migrate))
+		for _, m := range migrate {
+			wg.Go(func() { errs <- m(context.Background()) })
+		}
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			require.NoError(t, err, "round %d", round)
+		}
+	}
 }
 
 // TestMigrateUpgradesToRejected: a table made before the rejected state
