@@ -37,26 +37,34 @@ func (f CheckerFunc) Applied(ctx context.Context, d Delivery) (bool, error) { re
 // HTTPChecker asks over HTTP: a GET of URL(destination, key) answered 200
 // means applied, 404 means not applied, 409 with the JSON body
 // {"applied":false,"status":N} (N a 3xx or 4xx status) means refused for
-// good with status N (ErrRejected), anything else is unknown. The idemhttp
-// package's Middleware.StatusHandler answers this way.
+// good with status N (ErrRejected), anything else is unknown. No redirect
+// is followed: a 3xx is unknown, as a redirect's 200 (a login page, say)
+// would say nothing of the key. The idemhttp package's
+// Middleware.StatusHandler answers this way.
 type HTTPChecker struct {
 	// URL returns the status URL of key at destination; "" means the
-	// destination cannot be asked (unknown).
+	// destination cannot be asked (unknown). Required.
 	URL func(destination, key string) string
-	// Client sends the requests. Defaults to a client with a 10s timeout.
+	// Client sends the requests. Its CheckRedirect does not apply: a copy
+	// that follows no redirect is used. Defaults to a client with a 10s
+	// timeout.
 	Client *http.Client
 }
 
 // Applied asks the destination.
 func (c HTTPChecker) Applied(ctx context.Context, d Delivery) (bool, error) {
+	if c.URL == nil {
+		return false, fmt.Errorf("%w: HTTPChecker.URL is nil", ErrInvalidConfig)
+	}
 	u := c.URL(d.Destination, d.Key)
 	if u == "" {
 		return false, fmt.Errorf("outbox: no status URL for destination %q", d.Destination)
 	}
-	client := c.Client
-	if client == nil {
-		client = &http.Client{Timeout: DefaultHTTPTimeout}
+	client := http.Client{Timeout: DefaultHTTPTimeout}
+	if c.Client != nil {
+		client = *c.Client
 	}
+	client.CheckRedirect = func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
 	if err != nil {
 		return false, fmt.Errorf("outbox: check %s: %w", d.Key, err)
@@ -168,9 +176,18 @@ func NewReconciler(ob *Outbox, cfg ReconcilerConfig) (*Reconciler, error) {
 	if cfg.MeterProvider == nil {
 		cfg.MeterProvider = otel.GetMeterProvider()
 	}
+	var httpChecker *HTTPChecker
+	switch c := cfg.Checker.(type) {
+	case HTTPChecker:
+		httpChecker = &c
+	case *HTTPChecker:
+		httpChecker = c
+	}
 	switch {
 	case cfg.Checker == nil:
 		return nil, fmt.Errorf("%w: ReconcilerConfig.Checker is nil", ErrInvalidConfig)
+	case httpChecker != nil && httpChecker.URL == nil:
+		return nil, fmt.Errorf("%w: ReconcilerConfig.Checker is an HTTPChecker without a URL", ErrInvalidConfig)
 	case cfg.UnackedAfter < time.Millisecond:
 		return nil, fmt.Errorf("%w: ReconcilerConfig.UnackedAfter must be at least 1ms, got %s", ErrInvalidConfig, cfg.UnackedAfter)
 	case cfg.MaxRequeues < 0:

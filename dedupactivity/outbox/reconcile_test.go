@@ -334,6 +334,26 @@ func TestHTTPCheckerRejectedOnlyWithTheRefusal(t *testing.T) {
 	}
 }
 
+// TestHTTPCheckerFollowsNoRedirect: a status URL that redirects (to a
+// login page answering 200, say) is an unknown answer, not "applied".
+func TestHTTPCheckerFollowsNoRedirect(t *testing.T) {
+	t.Parallel()
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/login" {
+			w.WriteHeader(http.StatusOK)
+			return
+		}
+		http.Redirect(w, r, "/login", http.StatusFound)
+	}))
+	t.Cleanup(srv.Close)
+	for name, client := range map[string]*http.Client{"DefaultClient": nil, "OwnClient": srv.Client()} {
+		c := outbox.HTTPChecker{URL: func(_, key string) string { return srv.URL + "/" + key }, Client: client}
+		applied, err := c.Applied(context.Background(), outbox.Delivery{Key: "k", Destination: "d"})
+		require.False(t, applied, name)
+		require.ErrorContains(t, err, "status 302", name)
+	}
+}
+
 func TestReconcilerReportsWhatItCannotAsk(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -356,6 +376,12 @@ func TestReconcilerReportsWhatItCannotAsk(t *testing.T) {
 
 	_, err = outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{})
 	require.ErrorIs(t, err, outbox.ErrInvalidConfig)
+	for _, c := range []outbox.Checker{outbox.HTTPChecker{}, &outbox.HTTPChecker{}} {
+		_, err = outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{Checker: c})
+		require.ErrorIs(t, err, outbox.ErrInvalidConfig)
+	}
+	_, err = outbox.HTTPChecker{}.Applied(context.Background(), outbox.Delivery{Key: "k", Destination: "d"})
+	require.ErrorIs(t, err, outbox.ErrInvalidConfig, "not a nil-pointer panic")
 }
 
 func TestReconcileActivity(t *testing.T) {
