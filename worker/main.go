@@ -89,9 +89,12 @@ func run() error {
 		ob, rc = relay.Outbox(), reconciler
 		outbox.RegisterRelay(w, relay)
 		outbox.RegisterReconciler(w, rc)
+		// Stopped, and waited for, before the pool closes: a message in
+		// flight is given back on the way out.
 		relayCtx, stopRelay := context.WithCancel(ctx)
-		defer stopRelay()
-		go func() { _ = relay.Run(relayCtx) }()
+		relayDone := make(chan struct{})
+		go func() { defer close(relayDone); _ = relay.Run(relayCtx) }()
+		defer func() { stopRelay(); <-relayDone }()
 	}
 
 	// The workflow, the activities struct (Debit and Credit, their effects

@@ -49,7 +49,16 @@ func ExampleRelay_Run() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	go func() { _ = relay.Run(ctx) }() // in every worker process: relays share the work
+	// In every worker process: relays share the work.
+	ctx, stop := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() { defer close(done); _ = relay.Run(ctx) }()
+
+	// At shutdown, stop the relay and wait for it before the pool closes:
+	// it gives back the messages it leased and has not sent.
+	stop()
+	<-done
+	pool.Close()
 }
 
 func ExampleEnsureReconcileSchedule() {

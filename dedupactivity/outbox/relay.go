@@ -187,7 +187,9 @@ type RelayResult struct {
 
 // Run delivers due messages until ctx is done, then returns nil. Errors of
 // a pass (the database unreachable, say) are logged and retried after
-// PollInterval.
+// PollInterval. To stop it, cancel ctx and wait for Run to return before
+// closing the pool: on the way out it gives back the messages it leased
+// and has not sent.
 func (r *Relay) Run(ctx context.Context) error {
 	for {
 		res, err := r.RunOnce(ctx)
@@ -387,10 +389,14 @@ func (r *Relay) release(ctx context.Context, batch []Delivery) {
 	for i, d := range batch {
 		ids[i], attempts[i] = d.ID, int32(d.Attempt)
 	}
-	_, _ = r.ob.pool.Exec(rctx, `UPDATE `+r.ob.table+` o SET state = 'pending', attempts = o.attempts - 1, tries = o.tries - 1, lease_until = NULL,
+	_, err := r.ob.pool.Exec(rctx, `UPDATE `+r.ob.table+` o SET state = 'pending', attempts = o.attempts - 1, tries = o.tries - 1, lease_until = NULL,
 	unacked_since = CASE WHEN o.attempts = 1 THEN NULL ELSE o.unacked_since END
 FROM unnest($1::bigint[], $2::int[]) AS l(id, attempts)
 WHERE o.id = l.id AND o.state = 'sending' AND o.attempts = l.attempts`, ids, attempts)
+	if err != nil {
+		// Their leases expire instead, and another pass takes them.
+		r.cfg.Logger.Warn("outbox relay could not give leased messages back", "messages", len(batch), "error", translate(err))
+	}
 }
 
 // backoff is the wait after the tries-th failed send.
