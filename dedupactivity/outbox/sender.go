@@ -22,7 +22,9 @@ type Delivery struct {
 	Headers     map[string]string
 	// Payload is the message's JSON encoding.
 	Payload []byte
-	// Attempt counts this message's sends, this one included (from 1).
+	// Attempt counts this message's sends, this one included (from 1). A
+	// send cut off by the relay stopping is given back and not counted, so
+	// the next send has the same Attempt.
 	Attempt int
 
 	tries int // sends since enqueued or re-queued, this one included

@@ -15,7 +15,8 @@ CREATE TABLE IF NOT EXISTS dedup_outbox (
     -- reconciler found it applied at the destination; dead: gave up.
     state           text        NOT NULL DEFAULT 'pending'
                                 CHECK (state IN ('pending', 'sending', 'sent', 'applied', 'dead')),
-    -- Sends so far (also the lease's fencing token: it only grows).
+    -- Sends so far, and the lease's fencing token: each lease adds one; a
+    -- relay that gives a message back unsent (stopping) takes its one back.
     attempts        integer     NOT NULL DEFAULT 0,
     -- Sends since the message was enqueued or last re-queued by the reconciler.
     tries           integer     NOT NULL DEFAULT 0,
