@@ -128,7 +128,8 @@ type ReconcilerConfig struct {
 
 	// MaxRequeues is how many times a dead message the destination has not
 	// applied is re-queued (each time with a fresh MaxAttempts budget).
-	// Past it, the message stays dead and is reported.
+	// Past it, the message stays dead and is reported. Set -1 for none:
+	// every dead letter the destination has not applied is reported.
 	//
 	// Defaults to DefaultMaxRequeues (3).
 	MaxRequeues int
@@ -190,10 +191,13 @@ func NewReconciler(ob *Outbox, cfg ReconcilerConfig) (*Reconciler, error) {
 		return nil, fmt.Errorf("%w: ReconcilerConfig.Checker is an HTTPChecker without a URL", ErrInvalidConfig)
 	case cfg.UnackedAfter < time.Millisecond:
 		return nil, fmt.Errorf("%w: ReconcilerConfig.UnackedAfter must be at least 1ms, got %s", ErrInvalidConfig, cfg.UnackedAfter)
-	case cfg.MaxRequeues < 0:
-		return nil, fmt.Errorf("%w: ReconcilerConfig.MaxRequeues must not be negative, got %d", ErrInvalidConfig, cfg.MaxRequeues)
+	case cfg.MaxRequeues < -1:
+		return nil, fmt.Errorf("%w: ReconcilerConfig.MaxRequeues must be -1 (none), 0 (the default) or more, got %d", ErrInvalidConfig, cfg.MaxRequeues)
 	case cfg.MaxMessages < 1:
 		return nil, fmt.Errorf("%w: ReconcilerConfig.MaxMessages must be at least 1, got %d", ErrInvalidConfig, cfg.MaxMessages)
+	}
+	if cfg.MaxRequeues == -1 {
+		cfg.MaxRequeues = 0
 	}
 	rc := &Reconciler{ob: ob, cfg: cfg, tracer: cfg.TracerProvider.Tracer(ScopeName)}
 	var err error

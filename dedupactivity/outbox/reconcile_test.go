@@ -218,6 +218,29 @@ func TestReconcilerRequeuesDeadLettersNotApplied(t *testing.T) {
 	require.Equal(t, outbox.StateDead, rep.Unresolved[0].State)
 	require.Contains(t, rep.Unresolved[0].Reason, "re-queues")
 	require.Contains(t, rep.Unresolved[0].LastError, "503")
+
+	// MaxRequeues -1: none, a fresh dead letter is reported at once (0 is
+	// the default, and -2 is refused).
+	keys3, _, err := b.place(t, "never", []string{"receipt"}, nil)
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		res, err := r.RunOnce(context.Background())
+		require.NoError(t, err)
+		return res.Dead == 1
+	}, 5*time.Second, 10*time.Millisecond)
+	none, err := outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{Checker: rv.checker(), MaxRequeues: -1})
+	require.NoError(t, err)
+	rep, err = none.Reconcile(context.Background())
+	require.NoError(t, err)
+	require.Zero(t, rep.Requeued)
+	var reported []string
+	for _, u := range rep.Unresolved {
+		reported = append(reported, u.Key)
+	}
+	require.Contains(t, reported, keys3[0])
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE idempotency_key = $1 AND state = 'dead' AND requeues = 0`, keys3[0]))
+	_, err = outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{Checker: rv.checker(), MaxRequeues: -2})
+	require.ErrorIs(t, err, outbox.ErrInvalidConfig)
 }
 
 // TestReconcilerDoesNotCallRejectedApplied: the destination committed a
