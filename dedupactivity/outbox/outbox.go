@@ -140,7 +140,9 @@ type Message struct {
 	// json.RawMessage is sent as it is).
 	Payload any
 
-	// Headers are sent with the message (HTTPSender: as HTTP headers).
+	// Headers are sent with the message (HTTPSender: as HTTP headers). A
+	// name or value that HTTP does not allow (a space in a name, a line
+	// break in a value) is refused with ErrInvalidMessage.
 	Headers map[string]string
 
 	// Key, when set, is the message's idempotency key as it is, instead of
@@ -177,6 +179,9 @@ func (ob *Outbox) Enqueue(ctx context.Context, tx pgx.Tx, msg Message) (string, 
 	payload, err := encodePayload(msg.Payload)
 	if err != nil {
 		return "", err
+	}
+	if err := checkHeaders(msg.Headers); err != nil {
+		return "", fmt.Errorf("%w: %w", ErrInvalidMessage, err)
 	}
 	headers := msg.Headers
 	if headers == nil {

@@ -184,6 +184,8 @@ func TestEnqueueRejectsBadMessages(t *testing.T) {
 		"bad name":       {Destination: "d", Name: "a:b", Key: "k"},
 		"bad json":       {Destination: "d", Key: "k", Payload: json.RawMessage(`{`)},
 		"unencodable":    {Destination: "d", Key: "k", Payload: make(chan int)},
+		"header name":    {Destination: "d", Key: "k", Headers: map[string]string{"Bad Name": "v"}},
+		"header value":   {Destination: "d", Key: "k", Headers: map[string]string{"X-Note": "a\r\nX-Injected: 1"}},
 	} {
 		err := pgx.BeginFunc(ctx, b.schema.Pool, func(tx pgx.Tx) error {
 			_, err := b.ob.Enqueue(ctx, tx, msg)

@@ -247,6 +247,14 @@ func TestHTTPSenderClassifiesFailures(t *testing.T) {
 	}
 	require.Zero(t, followed.Load())
 
+	// A header net/http refuses (in a row some other producer wrote; Enqueue
+	// refuses it): permanent, and nothing is sent.
+	err = s.Send(ctx, outbox.Delivery{Key: "bad-header", Destination: "d", Payload: []byte(`{}`), Headers: map[string]string{"Bad Name": "v"}})
+	require.ErrorIs(t, err, outbox.ErrPermanent)
+	dest.mu.Lock()
+	require.Zero(t, dest.received["bad-header"])
+	dest.mu.Unlock()
+
 	// Unknown destination: permanent.
 	err = s.Send(ctx, outbox.Delivery{Key: "k", Destination: "nowhere"})
 	require.ErrorIs(t, err, outbox.ErrPermanent)

@@ -9,6 +9,8 @@ import (
 	"net/http"
 	"net/url"
 	"time"
+
+	"golang.org/x/net/http/httpguts"
 )
 
 // Delivery is one attempt to deliver a message, as a Sender sees it.
@@ -139,6 +141,20 @@ func Retryable(status int) bool {
 	return status >= 500
 }
 
+// checkHeaders refuses header names and values net/http would refuse to
+// send, so such a message fails when enqueued, not at every send.
+func checkHeaders(h map[string]string) error {
+	for k, v := range h {
+		switch {
+		case !httpguts.ValidHeaderFieldName(k):
+			return fmt.Errorf("invalid header name %q", k)
+		case !httpguts.ValidHeaderFieldValue(v):
+			return fmt.Errorf("invalid value of header %q", k)
+		}
+	}
+	return nil
+}
+
 // Send POSTs d to its destination.
 func (s *HTTPSender) Send(ctx context.Context, d Delivery) error {
 	u, ok := s.cfg.Endpoints[d.Destination]
@@ -150,6 +166,9 @@ func (s *HTTPSender) Send(ctx context.Context, d Delivery) error {
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, u, bytes.NewReader(d.Payload))
 	if err != nil {
 		return fmt.Errorf("%w: build request: %w", ErrPermanent, err)
+	}
+	if err := checkHeaders(d.Headers); err != nil {
+		return fmt.Errorf("%w: %w", ErrPermanent, err) // written by something other than Enqueue
 	}
 	for k, v := range d.Headers {
 		req.Header.Set(k, v)
