@@ -2,6 +2,7 @@ package outbox
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -276,8 +277,15 @@ RETURNING id, idempotency_key, destination, name, headers, payload, attempts, tr
 	var out []Delivery
 	for rows.Next() {
 		var d Delivery
-		if err := rows.Scan(&d.ID, &d.Key, &d.Destination, &d.Name, &d.Headers, &d.Payload, &d.Attempt, &d.tries); err != nil {
+		var headers []byte
+		if err := rows.Scan(&d.ID, &d.Key, &d.Destination, &d.Name, &headers, &d.Payload, &d.Attempt, &d.tries); err != nil {
 			return nil, fmt.Errorf("outbox: relay: claim: %w", err)
+		}
+		// Enqueue writes an object of strings; a row another producer wrote
+		// may hold any JSON. Such a message fails alone (dead), instead of
+		// failing every claim of the batch it is in.
+		if err := json.Unmarshal(headers, &d.Headers); err != nil {
+			d.unreadable = fmt.Errorf("%w: its headers are not a JSON object of strings: %w", ErrPermanent, err)
 		}
 		out = append(out, d)
 	}
@@ -295,7 +303,10 @@ var errRelayStopped = errors.New("outbox: relay stopped before acknowledging a s
 func (r *Relay) deliver(ctx context.Context, leaseEnd time.Time, d Delivery, res *RelayResult) error {
 	ctx, span := r.tel.startSend(ctx, d)
 	sendCtx, cancelSend := context.WithDeadline(ctx, leaseEnd)
-	sendErr := r.cfg.Sender.Send(sendCtx, d)
+	sendErr := d.unreadable
+	if sendErr == nil {
+		sendErr = r.cfg.Sender.Send(sendCtx, d)
+	}
 	cancelSend()
 	if sendErr != nil && ctx.Err() != nil {
 		// The relay is stopping, not the destination failing: give the

@@ -207,6 +207,27 @@ func TestRelayPermanentFailureIsDeadAtOnce(t *testing.T) {
 	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'dead' AND attempts = 1 AND last_error LIKE '%400%'`))
 }
 
+// TestRowWithUnreadableHeadersFailsAlone: a row another producer wrote,
+// whose headers are not an object of strings, goes dead on its own; the
+// messages claimed with it are delivered.
+func TestRowWithUnreadableHeadersFailsAlone(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	dest := newDestination(t, nil)
+	b.placeN(t, 3)
+	_, err := b.schema.Pool.Exec(context.Background(), `INSERT INTO dedup_outbox (idempotency_key, event_key, destination, name, headers, payload)
+VALUES ('foreign-1', '', 'receipts', 'receipt', '{"a":1}', '{}')`)
+	require.NoError(t, err)
+	res, err := b.relay(t, dest, outbox.RelayConfig{}).RunOnce(context.Background())
+	require.NoError(t, err)
+	require.Equal(t, outbox.RelayResult{Delivered: 3, Dead: 1}, res)
+	require.Equal(t, 3, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'sent'`))
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE idempotency_key = 'foreign-1' AND state = 'dead' AND last_error LIKE '%headers%'`))
+	dest.mu.Lock()
+	require.Zero(t, dest.received["foreign-1"], "not sent")
+	dest.mu.Unlock()
+}
+
 func TestHTTPSenderClassifiesFailures(t *testing.T) {
 	t.Parallel()
 	status := map[string]int{"k400": 400, "k404": 404, "k422": 422, "k408": 408, "k409": 409, "k429": 429, "k500": 500, "k503": 503, "k200": 200, "k201": 201}

@@ -29,7 +29,8 @@ type Delivery struct {
 	// the next send has the same Attempt.
 	Attempt int
 
-	tries int // sends since enqueued or re-queued, this one included
+	tries      int   // sends since enqueued or re-queued, this one included
+	unreadable error // the stored message cannot be sent as it is (see claim)
 }
 
 // Sender delivers messages. Send returns nil only when the destination has
