@@ -10,7 +10,7 @@
 //	DATABASE_URL        PostgreSQL connection string  (postgres://postgres:postgres@127.0.0.1:5432/ledger?sslmode=disable)
 //	RECEIPTS_URL        receipts service; when set, Credit sends a receipt through the outbox
 //	METRICS_ADDR        serve /metrics for Prometheus here (say 127.0.0.1:9464)
-//	PRUNE_INTERVAL      how often the prune Schedule runs (1h)
+//	PRUNE_INTERVAL      how often the prune Schedules run: markers, and settled outbox messages (1h)
 //	OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_SERVICE_NAME, ...: the standard
 //	OpenTelemetry variables; traces and metrics go out over OTLP/gRPC when
 //	an endpoint is set.
@@ -89,6 +89,7 @@ func run() error {
 		ob, rc = relay.Outbox(), reconciler
 		outbox.RegisterRelay(w, relay)
 		outbox.RegisterReconciler(w, rc)
+		outbox.RegisterPruner(w, ob)
 		// Stopped, and waited for, before the pool closes: a message in
 		// flight is given back on the way out.
 		relayCtx, stopRelay := context.WithCancel(ctx)

@@ -43,6 +43,10 @@
 // ReconcileReport. Run it from a Schedule (RegisterReconciler,
 // EnsureReconcileSchedule).
 //
+// Outbox.Prune deletes settled messages (sent, applied, rejected) once
+// Options.Retention has passed; run it from a Schedule too (RegisterPruner,
+// EnsurePruneSchedule).
+//
 // # What is guaranteed
 //
 // A message is enqueued if and only if its effect commits, and is delivered

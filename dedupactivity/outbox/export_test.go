@@ -13,5 +13,8 @@ func RelayActivityName(r *Relay) string { return r.relayActivityName() }
 
 func ReconcileActivityName(rc *Reconciler) string { return rc.reconcileActivityName() }
 
+// PruneActivityName exposes the name of ob's prune activity.
+func PruneActivityName(ob *Outbox) string { return ob.pruneActivityName() }
+
 // BacklogQuery is the count the outbox's gauges read at each collection.
 func BacklogQuery(ob *Outbox) string { return ob.backlogQuery() }

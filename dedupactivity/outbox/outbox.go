@@ -339,7 +339,11 @@ const pruneBatchSize = 1000
 // Options.Retention ago, in batches of pruneBatchSize (each its own short
 // transaction, skipping rows locked by others). Pending, sending and dead
 // messages are kept. It returns how many it deleted.
-func (ob *Outbox) Prune(ctx context.Context) (int64, error) {
+func (ob *Outbox) Prune(ctx context.Context) (int64, error) { return ob.prune(ctx, nil) }
+
+// prune is Prune, calling afterBatch (if not nil) with the running total
+// after each batch.
+func (ob *Outbox) prune(ctx context.Context, afterBatch func(deleted int64)) (int64, error) {
 	var deleted int64
 	for {
 		tag, err := ob.pool.Exec(ctx, `DELETE FROM `+ob.table+` WHERE id = ANY (ARRAY(
@@ -349,6 +353,9 @@ func (ob *Outbox) Prune(ctx context.Context) (int64, error) {
 			return deleted, fmt.Errorf("outbox: prune: %w", translate(err))
 		}
 		deleted += tag.RowsAffected()
+		if afterBatch != nil {
+			afterBatch(deleted)
+		}
 		if tag.RowsAffected() < pruneBatchSize {
 			return deleted, nil
 		}

@@ -17,6 +17,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
+	"go.temporal.io/sdk/testsuite"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 	"github.com/dedupactivity/dedupactivity/dedupactivity/outbox"
@@ -320,6 +321,24 @@ WHERE convert_from(payload, 'UTF8')::jsonb->>'order' = v.order_id`)
 	require.Equal(t, int64(3), n, "sent, applied and rejected past Retention")
 	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'rejected'`), "the rejected one within Retention")
 	require.Equal(t, 2, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state IN ('dead', 'pending')`))
+
+	// The same through the prune workflow RegisterPruner registers (what
+	// EnsurePruneSchedule runs).
+	for _, id := range []string{"o7", "o8"} {
+		_, _, err := b.place(t, id, []string{"receipt"}, nil)
+		require.NoError(t, err)
+	}
+	_, err = b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET state = 'sent', settled_at = now() - interval '31 days' WHERE state = 'pending' AND convert_from(payload, 'UTF8')::jsonb->>'order' IN ('o7', 'o8')`)
+	require.NoError(t, err)
+	var suite testsuite.WorkflowTestSuite
+	env := suite.NewTestWorkflowEnvironment()
+	outbox.RegisterPruner(env, b.ob)
+	env.ExecuteWorkflow("DedupOutboxPrune", outbox.PruneActivityName(b.ob))
+	require.NoError(t, env.GetWorkflowError())
+	var res outbox.PruneResult
+	require.NoError(t, env.GetWorkflowResult(&res))
+	require.Equal(t, outbox.PruneResult{Deleted: 2}, res)
+	require.Zero(t, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'sent'`))
 }
 
 // destination is a test HTTP destination on loopback that records every

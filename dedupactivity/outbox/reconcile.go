@@ -208,6 +208,9 @@ func NewReconciler(ob *Outbox, cfg ReconcilerConfig) (*Reconciler, error) {
 	return rc, nil
 }
 
+// Outbox returns the outbox rc reconciles.
+func (rc *Reconciler) Outbox() *Outbox { return rc.ob }
+
 // ReconcileReport is what one Reconcile call did.
 type ReconcileReport struct {
 	// Checked counts the messages asked about.

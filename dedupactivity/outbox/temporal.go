@@ -14,13 +14,18 @@ import (
 	"go.temporal.io/sdk/workflow"
 )
 
-// Names under which RegisterRelay and RegisterReconciler register their
-// workflows. Activity names carry the outbox table (relayActivityName,
-// reconcileActivityName), so one worker can serve several outboxes.
+// Names under which RegisterRelay, RegisterReconciler and RegisterPruner
+// register their workflows. Activity names carry the outbox table
+// (relayActivityName, reconcileActivityName, pruneActivityName), so one
+// worker can serve several outboxes.
 const (
 	relayWorkflowName     = "DedupOutboxRelay"
 	reconcileWorkflowName = "DedupOutboxReconcile"
+	pruneWorkflowName     = "DedupOutboxPrune"
 )
+
+// pruneActivityName is the name of ob's prune activity.
+func (ob *Outbox) pruneActivityName() string { return pruneWorkflowName + ":" + ob.table }
 
 // relayActivityName is the name of r's relay activity.
 func (r *Relay) relayActivityName() string { return relayWorkflowName + ":" + r.ob.table }
@@ -70,6 +75,35 @@ func reconcileWorkflow(ctx workflow.Context, activityName string) (ReconcileRepo
 	return rep, err
 }
 
+// PruneResult is what one run of the prune activity did.
+type PruneResult struct {
+	// Deleted counts the settled messages deleted.
+	Deleted int64
+}
+
+// RegisterPruner registers the prune workflow and ob's prune activity on a
+// worker. The activity runs Prune, heartbeating after each batch;
+// EnsurePruneSchedule runs it from a Temporal Schedule, so sent, applied
+// and rejected messages go once Options.Retention has passed instead of
+// piling up. Call it once for each outbox a worker prunes.
+func RegisterPruner(r worker.Registry, ob *Outbox) {
+	r.RegisterWorkflowWithOptions(pruneWorkflow, workflow.RegisterOptions{Name: pruneWorkflowName, DisableAlreadyRegisteredCheck: true})
+	r.RegisterActivityWithOptions(ob.pruneActivity, activity.RegisterOptions{Name: ob.pruneActivityName()})
+}
+
+// pruneActivity prunes, heartbeating after each batch.
+func (ob *Outbox) pruneActivity(ctx context.Context) (PruneResult, error) {
+	n, err := ob.prune(ctx, func(deleted int64) { activity.RecordHeartbeat(ctx, deleted) })
+	return PruneResult{Deleted: n}, err
+}
+
+// pruneWorkflow runs one prune activity (its name is the input).
+func pruneWorkflow(ctx workflow.Context, activityName string) (PruneResult, error) {
+	var res PruneResult
+	err := workflow.ExecuteActivity(withSweepOptions(ctx), activityName).Get(ctx, &res)
+	return res, err
+}
+
 func withSweepOptions(ctx workflow.Context) workflow.Context {
 	return workflow.WithActivityOptions(ctx, workflow.ActivityOptions{
 		StartToCloseTimeout: 30 * time.Minute,
@@ -89,6 +123,12 @@ func EnsureRelaySchedule(ctx context.Context, c client.Client, r *Relay, schedul
 // EnsureReconcileSchedule is EnsureRelaySchedule for a Reconciler.
 func EnsureReconcileSchedule(ctx context.Context, c client.Client, rc *Reconciler, scheduleID, taskQueue string, interval time.Duration) error {
 	return ensureSchedule(ctx, c, scheduleID, taskQueue, interval, reconcileWorkflowName, rc.reconcileActivityName())
+}
+
+// EnsurePruneSchedule is EnsureRelaySchedule for ob's pruning (see
+// RegisterPruner).
+func EnsurePruneSchedule(ctx context.Context, c client.Client, ob *Outbox, scheduleID, taskQueue string, interval time.Duration) error {
+	return ensureSchedule(ctx, c, scheduleID, taskQueue, interval, pruneWorkflowName, ob.pruneActivityName())
 }
 
 func ensureSchedule(ctx context.Context, c client.Client, id, taskQueue string, interval time.Duration, wf, act string) error {

@@ -274,6 +274,9 @@ type Worker struct {
 // ReconcileScheduleID is the ID of the worker's outbox reconcile schedule.
 func ReconcileScheduleID(taskQueue string) string { return "outbox-reconcile-" + taskQueue }
 
+// OutboxPruneScheduleID is the ID of the worker's outbox prune schedule.
+func OutboxPruneScheduleID(taskQueue string) string { return "outbox-prune-" + taskQueue }
+
 // Migrate creates the marker table and the ledger schema, retrying with
 // backoff while the database restarts or fails over (see Retry).
 func Migrate(ctx context.Context, d *dedupactivity.Deduper, pool *pgxpool.Pool) error {
@@ -366,6 +369,7 @@ func Start(ctx context.Context, cfg Config, tel *Telemetry) (_ *Worker, err erro
 		ob = relay.Outbox()
 		outbox.RegisterRelay(w, relay)
 		outbox.RegisterReconciler(w, rc)
+		outbox.RegisterPruner(w, ob)
 	}
 	w.RegisterWorkflowWithOptions(workflows.TransferWorkflow, workflow.RegisterOptions{Name: workflows.TransferWorkflowName})
 	w.RegisterActivity(activities.New(d, ob))
@@ -403,13 +407,18 @@ func WarnRedelivery(logger tlog.Logger, cfg Config) {
 }
 
 // Schedules creates, if missing, the Temporal Schedules that prune markers
-// and (with the receipts relay, rc not nil) reconcile the outbox.
+// and (with the receipts outbox, rc not nil) reconcile and prune the
+// outbox.
 func Schedules(ctx context.Context, c client.Client, cfg Config, d *dedupactivity.Deduper, rc *outbox.Reconciler) error {
-	if err := dedupactivity.EnsurePruneSchedule(ctx, c, d, PruneScheduleID(cfg.TaskQueue), cfg.TaskQueue, cmp.Or(cfg.PruneInterval, time.Hour)); err != nil {
+	prune := cmp.Or(cfg.PruneInterval, time.Hour)
+	if err := dedupactivity.EnsurePruneSchedule(ctx, c, d, PruneScheduleID(cfg.TaskQueue), cfg.TaskQueue, prune); err != nil {
 		return err
 	}
 	if rc == nil {
 		return nil
+	}
+	if err := outbox.EnsurePruneSchedule(ctx, c, rc.Outbox(), OutboxPruneScheduleID(cfg.TaskQueue), cfg.TaskQueue, prune); err != nil {
+		return err
 	}
 	return outbox.EnsureReconcileSchedule(ctx, c, rc, ReconcileScheduleID(cfg.TaskQueue), cfg.TaskQueue, time.Minute)
 }
