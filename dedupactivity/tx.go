@@ -105,15 +105,27 @@ func (t *claimTx) ready(ctx context.Context, args []any) error {
 	case t.state == stateNone:
 		_, err := t.send(ctx, nil)
 		return err
-	case t.state == stateLooked && t.riding == nil && t.conn.PgConn().TxStatus() == 'I':
-		// A call without bind parameters ended the failed transaction
-		// (ROLLBACK, or COMMIT, which rolls a failed one back) before the
-		// key went in: nothing more may run, or it would commit on its own.
-		// (While the batch the first statement rode in is open, its BEGIN
-		// is not acknowledged yet, and the status says nothing.)
+	case t.state != stateLooked || positional(args):
+		// Statements with bind parameters cannot end a transaction: after a
+		// look, the marker can still go in with COMMIT.
+	case t.riding != nil:
+		// The batch the first statement rode in is still open: the
+		// connection is busy, as pgx says of any call made then. (Its BEGIN
+		// is not acknowledged yet either, so the status says nothing.)
+		return errRideOpen
+	case t.conn.PgConn().TxStatus() == 'E':
+		// A statement failed before the marker's key went in, so the
+		// transaction is aborted: all a call without bind parameters could
+		// still do is end it (ROLLBACK or COMMIT, AND CHAIN or followed by
+		// more statements), and the marker must not then go in with another
+		// transaction. Refused, this call only; the attempt rolls back.
+		return errAbortedBeforeMarker
+	case t.conn.PgConn().TxStatus() == 'I':
+		// Not reachable through this Tx (see above). Should the transaction
+		// have ended anyway, nothing more may run: it would commit on its
+		// own.
 		t.claimErr = errEndedUnmarked()
-	case t.state == stateLooked && !positional(args) && t.conn.PgConn().TxStatus() != 'E':
-		// (A failed transaction commits nothing: the call fails as it is.)
+	default:
 		t.state = stateClaimed
 		began := time.Now()
 		ok, err := t.d.claimKey(ctx, t)
@@ -126,6 +138,12 @@ func (t *claimTx) ready(ctx context.Context, args []any) error {
 	}
 	return t.claimErr
 }
+
+// Errors of a single call after a look (see ready).
+var (
+	errRideOpen            = errors.New("dedupactivity: conn busy: read or close the Rows of the effect's first statement before a call without bind parameters")
+	errAbortedBeforeMarker = fmt.Errorf("%w: a statement failed, so the transaction is aborted; a call without bind parameters could only end it (ROLLBACK or COMMIT), which is the claim's to do: return the statement's error", ErrTxOwned)
+)
 
 // rides says whether a statement with args can carry the claim: it is the
 // first, of a delivery that may ride, and its arguments are positional.
@@ -423,7 +441,7 @@ func (s *savepoint) Exec(ctx context.Context, sql string, args ...any) (pgconn.C
 
 func (s *savepoint) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
 	if !s.live() {
-		return nil, pgx.ErrTxClosed
+		return errRows{pgx.ErrTxClosed}, pgx.ErrTxClosed
 	}
 	return s.root.Query(ctx, sql, args...)
 }

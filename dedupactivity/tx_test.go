@@ -2,6 +2,7 @@ package dedupactivity_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"testing"
@@ -56,9 +57,8 @@ func TestEffectEndingTheTransactionWithSQL(t *testing.T) {
 		retryApplies    bool  // a later delivery applies the effect
 	}
 	cases := map[string]struct {
-		failed bool // first a statement with a bind parameter fails, and the effect ignores it
-		sql    []string
-		want   want
+		sql  []string
+		want want
 	}{
 		// Everything rolled back, the marker too: the event is not lost,
 		// a retry applies it once.
@@ -71,12 +71,6 @@ func TestEffectEndingTheTransactionWithSQL(t *testing.T) {
 		"Commit": {sql: []string{"COMMIT"}, want: want{ledger: 1, markers: 1}},
 		// COMMIT, then a new transaction with a write that does not commit.
 		"CommitBeginWrite": {sql: []string{"COMMIT", "BEGIN", `INSERT INTO ledger (account, amount) VALUES ('b', 99)`}, want: want{ledger: 1, markers: 1}},
-		// A first attempt's claim went as a look, and the failed
-		// transaction ended before the marker's key went in: nothing
-		// after it may run, or it would commit unmarked.
-		"FailedRollbackBeginWrite": {failed: true, sql: []string{"ROLLBACK", "BEGIN", `INSERT INTO ledger (account, amount) VALUES ('b', 99)`}, want: want{ledger: 0, markers: 0, retryApplies: true}},
-		// COMMIT of a failed transaction rolls it back.
-		"FailedCommit": {failed: true, sql: []string{"COMMIT"}, want: want{ledger: 0, markers: 0, retryApplies: true}},
 	}
 	for name, c := range cases {
 		for _, discard := range []bool{false, true} {
@@ -88,10 +82,6 @@ func TestEffectEndingTheTransactionWithSQL(t *testing.T) {
 					p, err := b.post(ctx, tx, in)
 					if err != nil || !misuse {
 						return p, err
-					}
-					if c.failed {
-						_, err := tx.Exec(ctx, "SELECT 1/$1::int", 0)
-						require.Error(t, err)
 					}
 					for _, sql := range c.sql {
 						if _, err := tx.Exec(ctx, sql); err != nil {
@@ -129,6 +119,97 @@ func TestEffectEndingTheTransactionWithSQL(t *testing.T) {
 			})
 		}
 	}
+}
+
+// TestFailedStatementBeforeTheMarker: on a first attempt, whose claim went
+// as a look, once a statement has failed a call without bind parameters is
+// refused: all it could do is end the transaction (in any of these ways),
+// and the marker would then go in with another one. Whatever the effect
+// does with the refusal, nothing commits, and a later delivery applies the
+// effect.
+func TestFailedStatementBeforeTheMarker(t *testing.T) {
+	t.Parallel()
+	exec := func(sql string) func(context.Context, pgx.Tx) error {
+		return func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, sql)
+			return err
+		}
+	}
+	ends := map[string]func(context.Context, pgx.Tx) error{
+		"Rollback":           exec("ROLLBACK"),
+		"Commit":             exec("COMMIT"),
+		"RollbackAndChain":   exec("ROLLBACK AND CHAIN"),
+		"CommitAndChain":     exec("COMMIT AND CHAIN"),
+		"RollbackBeginWrite": exec(`ROLLBACK; BEGIN; INSERT INTO ledger (account, amount) VALUES ('b', 99)`),
+		"Batch": func(ctx context.Context, tx pgx.Tx) error {
+			b := &pgx.Batch{}
+			b.Queue("ROLLBACK")
+			b.Queue("BEGIN")
+			return tx.SendBatch(ctx, b).Close()
+		},
+		"Conn": func(ctx context.Context, tx pgx.Tx) error {
+			require.Nil(t, tx.Conn(), "no connection to end it on")
+			return dedupactivity.ErrTxOwned
+		},
+	}
+	for name, end := range ends {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, dedupactivity.Options{})
+			misuse := true
+			fn := dedupactivity.Wrap(b.d, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+				p, err := b.post(ctx, tx, in)
+				if err != nil || !misuse {
+					return p, err
+				}
+				_, err = tx.Exec(ctx, "SELECT 1/$1::int", 0)
+				require.Error(t, err)
+				require.ErrorIs(t, end(ctx, tx), dedupactivity.ErrTxOwned)
+				return p, nil // the failures swallowed
+			})
+			in := Transfer{Account: "a", Amount: 1}
+			_, err := deliver(t, "Post", fn, in)
+			require.ErrorContains(t, err, "a statement of the effect failed")
+			require.Zero(t, b.ledgerRows(t))
+			require.Zero(t, b.markers(t))
+
+			misuse = false
+			_, err = deliver(t, "Post", fn, in)
+			require.NoError(t, err)
+			require.Equal(t, int64(1), b.ledgerRows(t), "a later delivery applied the effect once")
+			require.Equal(t, int64(1), b.markers(t))
+		})
+	}
+}
+
+// TestCallWhileTheFirstRowsAreOpen: a call without bind parameters while
+// the Rows of the first statement (which rode with the claim) are open
+// fails alone, as pgx's busy connection does, and the attempt goes on once
+// they are closed.
+func TestCallWhileTheFirstRowsAreOpen(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	fn := dedupactivity.Wrap(b.d, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+		var p Posting
+		rows, err := tx.Query(ctx, `INSERT INTO ledger (account, amount) VALUES ($1, $2) RETURNING id`, in.Account, in.Amount)
+		if err != nil {
+			return p, err
+		}
+		require.Nil(t, rows.Conn())
+		_, err = tx.Exec(ctx, "SELECT 1")
+		require.ErrorContains(t, err, "conn busy")
+		ids, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+		if err != nil {
+			return p, err
+		}
+		p.EntryID = ids[0]
+		_, err = tx.Exec(ctx, "SELECT 1")
+		return p, err
+	})
+	_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
+	require.NoError(t, err)
+	require.Equal(t, int64(1), b.ledgerRows(t))
+	require.Equal(t, int64(1), b.markers(t))
 }
 
 // TestEarlyCommitWithConcurrentAttempt: an effect that commits the claim
@@ -206,6 +287,11 @@ func TestSavepointsWork(t *testing.T) {
 		}
 		if err := kept.Commit(ctx); err == nil {
 			t.Error("a released savepoint commits twice")
+		}
+		// A released savepoint's Rows carry the error, as pgx's do.
+		rows, err := kept.Query(ctx, "SELECT 1")
+		if !errors.Is(err, pgx.ErrTxClosed) || rows == nil || !errors.Is(rows.Err(), pgx.ErrTxClosed) {
+			t.Errorf("Query on a released savepoint: rows %v, error %v", rows, err)
 		}
 		return p, nil
 	})
