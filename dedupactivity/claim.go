@@ -181,6 +181,10 @@ func (d *Deduper) claimFailed(ctx context.Context, tx *claimTx, a attempt) (atte
 	if errors.Is(tx.claimErr, errDuplicate) {
 		return d.duplicate(ctx, tx.conn, tx.m, a)
 	}
+	if errors.As(tx.claimErr, new(effectError)) {
+		a.outcome = OutcomeEffectError // the statement that rode with the claim failed
+		return a, tx.claimErr
+	}
 	a.outcome = OutcomeError
 	if errors.Is(tx.claimErr, ErrClaimTimeout) {
 		a.outcome = OutcomeClaimTimeout
@@ -247,6 +251,13 @@ func (d *Deduper) sendClaim(ctx context.Context, tx *claimTx, q *pgx.QueuedQuery
 				}
 			}
 			return nil, false, errNotRidden
+		}
+		if look && (ctx.Err() != nil || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled)) {
+			// PostgreSQL answers BEGIN and the look only with q, at the
+			// batch's end, and the look waits for nothing (but a lock DDL
+			// holds on the marker table): the deadline or cancellation is
+			// q's, the effect's own, not a claim that waited.
+			return nil, false, effectError{fmt.Errorf("dedupactivity: the effect's first statement (sent with the claim): %w", err)}
 		}
 		if tx.conn.IsClosed() && try == 1 && ctx.Err() == nil {
 			if err := d.replaceConn(ctx, tx); err != nil {

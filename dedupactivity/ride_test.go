@@ -229,6 +229,36 @@ func TestClaimTimeoutWhileRiding(t *testing.T) {
 	require.Equal(t, int64(2), b.count(t, `SELECT balance FROM account WHERE id = 'a'`))
 }
 
+// TestFirstStatementDeadlineIsTheEffects: the effect's first statement,
+// sent with the claim, waits on a row lock until the caller's deadline:
+// that is the effect's error (the look waits for nothing), not a claim
+// timeout, and nothing commits.
+func TestFirstStatementDeadlineIsTheEffects(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	ctx := context.Background()
+	lock, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	defer lock.Rollback(ctx)
+	_, err = lock.Exec(ctx, `SELECT balance FROM account WHERE id = 'a' FOR UPDATE`)
+	require.NoError(t, err)
+
+	dctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer cancel()
+	_, outcome, err := dedupactivity.Do(dctx, b.d, runScoped("deadline"), Transfer{Account: "a", Amount: 1},
+		func(ctx context.Context, tx pgx.Tx, in Transfer) (int64, error) {
+			var balance int64
+			err := tx.QueryRow(ctx, `UPDATE account SET balance = balance + $2 WHERE id = $1 RETURNING balance`, in.Account, in.Amount).Scan(&balance)
+			return balance, err
+		})
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	require.NotErrorIs(t, err, dedupactivity.ErrClaimTimeout)
+	require.Equal(t, dedupactivity.OutcomeEffectError, outcome)
+	require.NoError(t, lock.Rollback(ctx))
+	require.Zero(t, b.markers(t))
+	require.Zero(t, b.count(t, `SELECT balance FROM account WHERE id = 'a'`))
+}
+
 // TestConcurrentRidingDeliveries: first attempts of one run-scoped event
 // delivered at once all look, find nothing and run the effect; the first
 // marker inserted with COMMIT wins, the others fail on its key (an ERROR in
