@@ -64,7 +64,11 @@ type Options struct {
 	// Migrate creates it if missing.
 	//
 	// Defaults to "": the table is unqualified and found through the
-	// connection's search_path.
+	// search_path of each statement. Set it when effects change search_path
+	// in their transaction (SET LOCAL search_path, a schema per tenant): the
+	// marker would otherwise be written to, and looked up in, whatever
+	// marker table the changed path finds, and an event could be applied
+	// twice.
 	Schema string
 
 	// Table is the marker table's name, a plain lower-case identifier
