@@ -30,6 +30,20 @@
 // Keys are kept as long as the markers' retention (dedupactivity
 // Options.Retention, default 30 days); Deduper.Prune removes them.
 //
+// Limits:
+//   - A key is one per Scope, not per caller: two clients sending the same
+//     key with the same method, path and body get one answer, the first's.
+//     Where clients are distinct (accounts, API keys), have them make keys
+//     that cannot collide, or give each its own Scope.
+//   - The response is buffered and stored with the marker: a body above
+//     about 1.5 MiB (Dedup.MaxResultBytes, 2 MiB by default, holds it
+//     base64-encoded) fails with 500 and rolls back. Streaming (Flusher,
+//     Hijacker) is not available to a handler behind the middleware, and
+//     informational 1xx answers are dropped.
+//   - A stored 3xx or 4xx commits the handler's writes too, while Applied
+//     reports the key refused: a handler should write only when it answers
+//     2xx.
+//
 // Middleware.Applied and Middleware.StatusHandler answer "did you apply key
 // K?" for an outbox Reconciler: applied (a stored 2xx), not applied (no
 // key), or refused for good (a stored 3xx or 4xx; see RejectedError).
@@ -365,8 +379,11 @@ type recorder struct {
 
 func (r *recorder) Header() http.Header { return r.header }
 
+// WriteHeader keeps the first final status. An informational one (1xx,
+// such as 103 Early Hints) is not the answer: it is dropped, not stored
+// or sent.
 func (r *recorder) WriteHeader(status int) {
-	if r.status == 0 {
+	if r.status == 0 && (status < 100 || status >= 200) {
 		r.status = status
 	}
 }

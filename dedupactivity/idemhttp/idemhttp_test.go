@@ -341,6 +341,50 @@ func TestScopesSeparateKeys(t *testing.T) {
 	require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions)
 }
 
+// TestEarlyHintsAreNotTheAnswer: a 1xx before the final status is not
+// stored as the answer: a 500 after a 103 rolls back and is not replayed,
+// and a 201 after a 103 is what is stored.
+func TestEarlyHintsAreNotTheAnswer(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t)
+	ctx := context.Background()
+	m, err := idemhttp.New(s.Pool, idemhttp.Options{})
+	require.NoError(t, err)
+	require.NoError(t, m.Migrate(ctx))
+	_, err = s.Pool.Exec(ctx, `CREATE TABLE receipt (id bigserial PRIMARY KEY, body text NOT NULL)`)
+	require.NoError(t, err)
+	var final atomic.Int64
+	final.Store(http.StatusInternalServerError)
+	h := m.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		tx, _ := idemhttp.Tx(r.Context())
+		if _, err := tx.Exec(r.Context(), `INSERT INTO receipt (body) VALUES ($1)`, "x"); err != nil {
+			http.Error(w, err.Error(), http.StatusInternalServerError)
+			return
+		}
+		w.WriteHeader(http.StatusEarlyHints)
+		w.WriteHeader(int(final.Load()))
+	}))
+	post := func() *httptest.ResponseRecorder {
+		rec := httptest.NewRecorder()
+		req := httptest.NewRequest(http.MethodPost, "/x", strings.NewReader("{}"))
+		req.Header.Set("Idempotency-Key", "k")
+		h.ServeHTTP(rec, req)
+		return rec
+	}
+	count := func() (n int) {
+		require.NoError(t, s.Pool.QueryRow(ctx, `SELECT count(*) FROM receipt`).Scan(&n))
+		return n
+	}
+	require.Equal(t, http.StatusInternalServerError, post().Code)
+	require.Zero(t, count(), "the 500 rolled back")
+	final.Store(http.StatusCreated)
+	require.Equal(t, http.StatusCreated, post().Code)
+	replay := post()
+	require.Equal(t, http.StatusCreated, replay.Code)
+	require.Equal(t, "true", replay.Header().Get(idemhttp.ReplayedHeader))
+	require.Equal(t, 1, count())
+}
+
 // TestStoreFailureIs500WithoutDetails: when the store fails (here its table
 // is gone), the client gets a 500 that names nothing of the database, and
 // the error goes to Options.Logger.
