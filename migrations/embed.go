@@ -3,7 +3,7 @@
 //
 // Files are named NNN_name.up.sql / NNN_name.down.sql, are idempotent, and
 // quote every name, with the table name dedup_marker as a token. They can be
-// applied as they are by golang-migrate (tested in internal/migratetest) and
+// applied as they are by golang-migrate (tested in cmd/migratetest) and
 // psql; goose needs its -- +goose annotations, which the files do not have.
 // [github.com/dedupactivity/dedupactivity/dedupactivity.Deduper.Migrate]
 // applies them with a version table and an advisory lock, replacing the

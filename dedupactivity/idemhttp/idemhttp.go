@@ -95,7 +95,9 @@ type Options struct {
 
 	// InFlightWait bounds how long a request waits for a request with the
 	// same key that is still running, before it gets 409. It sets
-	// Dedup.ClaimWait.
+	// Dedup.ClaimWait. A waiting request holds a pool connection while it
+	// waits: size the pool for the requests that may wait at once, or other
+	// keys wait for a connection.
 	//
 	// Defaults to DefaultInFlightWait (1s).
 	InFlightWait time.Duration
