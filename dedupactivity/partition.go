@@ -96,10 +96,13 @@ func (d *Deduper) partitions(ctx context.Context) ([]partition, error) {
 }
 
 // dropExpiredPartitions drops range partitions whose scheduled-time range is
-// over and whose markers have all expired. Each is detached and checked in
-// one transaction holding the table lock, so no claim can insert into it
-// between the check and the drop.
-func (d *Deduper) dropExpiredPartitions(ctx context.Context) (int64, error) {
+// over and whose markers have all expired. Each is first read without the
+// table lock, stopping at its first live marker, so a partition still in
+// its retention (most of them) is passed over without blocking claims; one
+// that looks expired is detached and checked again in one transaction
+// holding the table lock, so no claim can insert into it between the check
+// and the drop. progress (if not nil) is called after each partition.
+func (d *Deduper) dropExpiredPartitions(ctx context.Context, progress func(deleted int64)) (int64, error) {
 	parts, err := d.partitions(ctx)
 	if err != nil {
 		return 0, err
@@ -107,6 +110,16 @@ func (d *Deduper) dropExpiredPartitions(ctx context.Context) (int64, error) {
 	var deleted int64
 	for _, p := range parts {
 		if p.hi.After(time.Now()) {
+			continue
+		}
+		if progress != nil {
+			progress(deleted)
+		}
+		var live bool
+		if err := d.pool.QueryRow(ctx, anyLiveSQL(d.qualify(p.name))).Scan(&live); err != nil {
+			return deleted, fmt.Errorf("dedupactivity: read partition %s: %w", p.name, interpretError(err, false))
+		}
+		if live {
 			continue
 		}
 		var rows int64

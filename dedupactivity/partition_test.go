@@ -3,6 +3,7 @@ package dedupactivity_test
 import (
 	"context"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -35,10 +36,37 @@ func TestPartitionedLayout(t *testing.T) {
 	require.NoError(t, b.pool.QueryRow(ctx, `SELECT tableoid::regclass::text FROM dedup_marker`).Scan(&part))
 	require.NotEqual(t, "dedup_marker_default", part, "the marker sits in its scheduled time's partition")
 
-	// Unexpired: the partition outlives its range.
+	// Unexpired: the partition outlives its range, and Prune passes it over
+	// without taking its lock (which would block claims): a reader holding
+	// the partition is not waited for.
 	time.Sleep(2100 * time.Millisecond)
-	_, err = b.d.Prune(ctx)
+	holder, err := b.pool.Begin(ctx)
 	require.NoError(t, err)
+	_, err = holder.Exec(ctx, `LOCK TABLE `+part+` IN ACCESS SHARE MODE`)
+	require.NoError(t, err)
+	var waited atomic.Bool
+	stop, watched := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(watched)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			var n int
+			if b.pool.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = $1::regclass`, part).Scan(&n) == nil && n > 0 {
+				waited.Store(true)
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+	}()
+	_, err = b.d.Prune(ctx)
+	close(stop)
+	<-watched
+	require.NoError(t, holder.Rollback(ctx))
+	require.NoError(t, err)
+	require.False(t, waited.Load(), "Prune waited for the lock of a partition still in its retention")
 	require.Contains(t, partitions(), part)
 	require.Equal(t, int64(1), b.markers(t))
 

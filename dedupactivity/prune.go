@@ -34,7 +34,7 @@ func (d *Deduper) Prune(ctx context.Context) (int64, error) {
 func (d *Deduper) prune(ctx context.Context, afterBatch func(deleted int64)) (int64, error) {
 	var deleted int64
 	if d.opts.PartitionInterval > 0 {
-		n, err := d.dropExpiredPartitions(ctx)
+		n, err := d.dropExpiredPartitions(ctx, afterBatch)
 		if err != nil {
 			return 0, err
 		}

@@ -173,6 +173,12 @@ func (s *store) detachPartition(name string) string {
 	return `ALTER TABLE ` + s.table + ` DETACH PARTITION ` + name
 }
 
+// anyLiveSQL says whether a partition holds a marker that has not expired;
+// it stops at the first.
+func anyLiveSQL(name string) string {
+	return `SELECT EXISTS (SELECT 1 FROM ` + name + ` WHERE expires_at >= now())`
+}
+
 // countLiveSQL counts a detached partition's markers and says whether any
 // has not expired.
 func countLiveSQL(name string) string {
