@@ -82,6 +82,11 @@ func TestClaimTx(t *testing.T) {
 	_, _, err = deliver(in, true)
 	require.ErrorIs(t, err, dedupactivity.ErrTxEnded)
 	require.Equal(t, int64(3), b.ledgerRows(t))
+	// Result says so too: applied, with no result to read.
+	var stored Posting
+	applied, err := b.d.Result(ctx, id, &stored)
+	require.True(t, applied)
+	require.ErrorIs(t, err, dedupactivity.ErrTxEnded)
 
 	// Complete in another transaction than the claim's.
 	id = dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "order-4"}

@@ -94,9 +94,12 @@ func (d *Deduper) Applied(ctx context.Context, id Identity) (bool, error) {
 // Result reads the result stored for the event id into out (a pointer, as
 // the data converter's FromPayload takes it) and says whether id was
 // applied, as Applied does. When it was not, or no result is stored
-// (DiscardResults), out is left as it is. A destination reads with it what
-// it answered, to tell a reconciler that it refused a message rather than
-// applied it.
+// (DiscardResults), out is left as it is. When the event was applied but no
+// result was recorded (its effect ended the claim transaction, or ClaimTx
+// was committed without Complete), Result returns true and an error
+// wrapping ErrTxEnded, as deliveries of it do. A destination reads with it
+// what it answered, to tell a reconciler that it refused a message rather
+// than applied it.
 //
 // The result is decoded with the serialization context that id alone
 // gives (its namespace, workflow ID and, for a business key, activity
@@ -117,7 +120,7 @@ func (d *Deduper) Result(ctx context.Context, id Identity, out any) (bool, error
 		return false, fmt.Errorf("dedupactivity: result: %w", interpretError(err, false))
 	}
 	if hexResult == nil {
-		return true, nil
+		return true, fmt.Errorf("%w: the event was applied, but its effect ended the claim transaction (or its caller committed without Claim.Complete), so no result was recorded", ErrTxEnded)
 	}
 	b, err := hex.DecodeString(*hexResult)
 	if err != nil {
