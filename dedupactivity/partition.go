@@ -54,6 +54,8 @@ func (d *Deduper) ensurePartitions(ctx context.Context) (int, error) {
 		case state == stateDuplicateTable: // another worker made it
 		case state == stateCheckViolation: // rows in the default partition: leave the range there
 		case state == stateLockNotAvailable: // next run
+		case state == stateInvalidObjectDefinition:
+			return created, fmt.Errorf("%w: partition %s would overlap an existing one: the table's partitions were made with another PartitionInterval; give Options the table's: %w", ErrInvalidOptions, name, err)
 		default:
 			return created, fmt.Errorf("dedupactivity: create partition %s: %w", name, err)
 		}

@@ -120,4 +120,17 @@ func TestMigrateRefusesTheOtherLayout(t *testing.T) {
 		require.ErrorContains(t, err, "layout", name)
 		require.NoError(t, made.Migrate(ctx), "%s: the table's own layout still migrates", name)
 	}
+
+	// Partitions of another interval are in the way: a clear refusal, not
+	// an overlap error at every Migrate and Prune.
+	made, err := dedupactivity.New(b.pool, dedupactivity.Options{Table: "hourly", PartitionInterval: time.Hour, Retention: time.Hour})
+	require.NoError(t, err)
+	require.NoError(t, made.Migrate(ctx))
+	for _, iv := range []time.Duration{30 * time.Minute, 24 * time.Hour} {
+		used, err := dedupactivity.New(b.pool, dedupactivity.Options{Table: "hourly", PartitionInterval: iv, Retention: 24 * time.Hour})
+		require.NoError(t, err)
+		err = used.Migrate(ctx)
+		require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions, iv)
+		require.ErrorContains(t, err, "PartitionInterval", iv)
+	}
 }

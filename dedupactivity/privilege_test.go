@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -59,6 +60,44 @@ GRANT USAGE ON SEQUENCE %[1]s.ledger_id_seq TO %[2]s;`, s, r))
 
 	_, err = pool.Exec(ctx, `CREATE TABLE nope (id int)`)
 	require.Error(t, err, "the runtime role cannot create tables")
+}
+
+// TestLeastPrivilegeRolePartitionedLayout: in the partitioned layout, a
+// role that may claim but does not own the table still migrates (an
+// up-to-date table) when a partition ahead is missing: making partitions is
+// left to the owner's pruner.
+func TestLeastPrivilegeRolePartitionedLayout(t *testing.T) {
+	t.Parallel()
+	opts := dedupactivity.Options{PartitionInterval: time.Hour, Retention: time.Hour}
+	b := setup(t, opts)
+	ctx := context.Background()
+	var last string
+	require.NoError(t, b.pool.QueryRow(ctx, `SELECT max(c.relname) FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+WHERE i.inhparent = 'dedup_marker'::regclass AND c.relname <> 'dedup_marker_default'`).Scan(&last))
+	_, err := b.pool.Exec(ctx, `DROP TABLE `+last)
+	require.NoError(t, err)
+	role := "rp_" + b.schema.Name
+	s := pgx.Identifier{b.schema.Name}.Sanitize()
+	r := pgx.Identifier{role}.Sanitize()
+	_, err = b.pool.Exec(ctx, fmt.Sprintf(`
+CREATE ROLE %[2]s LOGIN PASSWORD 'pw';
+GRANT USAGE ON SCHEMA %[1]s TO %[2]s;
+GRANT SELECT, INSERT, DELETE, UPDATE (result) ON %[1]s.dedup_marker TO %[2]s;`, s, r))
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_, _ = b.pool.Exec(context.Background(), fmt.Sprintf(`DROP OWNED BY %[1]s; DROP ROLE %[1]s`, r))
+	})
+	cfg, err := pgxpool.ParseConfig(b.schema.URL)
+	require.NoError(t, err)
+	cfg.ConnConfig.User, cfg.ConnConfig.Password = role, "pw"
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	defer pool.Close()
+	d, err := dedupactivity.New(pool, opts)
+	require.NoError(t, err)
+	require.NoError(t, d.Migrate(ctx))
+	require.NoError(t, b.d.Migrate(ctx), "the owner makes the missing partition")
+	require.Equal(t, int64(1), b.count(t, `SELECT count(*) FROM pg_class WHERE relname = $1 AND relnamespace = current_schema()::regnamespace`, last))
 }
 
 // TestRefusedConnection: a database that refuses the connection gives a

@@ -29,6 +29,9 @@ const (
 	stateUniqueViolation  = "23505"
 	stateDuplicateSchema  = "42P06"
 	stateTxEnded          = "DDUP2" // raised by the <table>_ended function
+	// A partition bound overlapping another partition's, among others.
+	stateInvalidObjectDefinition = "42P17"
+	stateInsufficientPrivilege   = "42501"
 )
 
 // store holds the marker table's statements, with the table name filled in
