@@ -41,7 +41,11 @@ func New(pool *pgxpool.Pool, opts Options) (*Deduper, error) {
 	if err := opts.validate(); err != nil {
 		return nil, err
 	}
-	tel, err := newTelemetry(opts.TracerProvider, opts.MeterProvider, opts.TemporalMetrics, opts.Table)
+	table := opts.Table // the metrics' dedup.table: schema-qualified when Schema is set
+	if opts.Schema != "" {
+		table = opts.Schema + "." + opts.Table
+	}
+	tel, err := newTelemetry(opts.TracerProvider, opts.MeterProvider, opts.TemporalMetrics, table)
 	if err != nil {
 		return nil, fmt.Errorf("dedupactivity: telemetry: %w", err)
 	}

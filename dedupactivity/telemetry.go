@@ -114,7 +114,8 @@ const (
 	MetricOldestMarkerAge = "dedup.marker.oldest_age"
 )
 
-// TableKey is the marker table's name on the markers' metrics.
+// TableKey is the marker table's name on the markers' metrics: Options.Table,
+// or schema.table when Options.Schema is set.
 const TableKey = attribute.Key("dedup.table")
 
 // Outcome is what one attempt did.
@@ -217,21 +218,27 @@ func newTelemetry(tp trace.TracerProvider, mp metric.MeterProvider, sdkMetrics b
 // table at each collection.
 func (t *telemetry) observeOldest(d *Deduper) error {
 	attrs := metric.WithAttributes(TableKey.String(t.table))
-	_, err := t.meter.Float64ObservableGauge(MetricOldestMarkerAge,
+	gauge, err := t.meter.Float64ObservableGauge(MetricOldestMarkerAge,
 		metric.WithDescription("Age of the marker that expires first (the oldest, with one retention); read by an index-ordered query at each collection."),
-		metric.WithUnit("s"),
-		metric.WithFloat64Callback(func(ctx context.Context, o metric.Float64Observer) error {
-			ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
-			defer cancel()
-			var age float64
-			if err := d.pool.QueryRow(ctx, d.store.oldest).Scan(&age); err != nil {
-				return nil // empty table, or the database is unreachable: no observation
-			}
-			o.Observe(age, attrs)
-			return nil
-		}))
+		metric.WithUnit("s"))
 	if err != nil {
 		return fmt.Errorf("create %s: %w", MetricOldestMarkerAge, err)
+	}
+	// Registered apart from the instrument: a second Deduper on the same
+	// MeterProvider gets the same instrument, and the SDK ignores (with a
+	// warning) callbacks given when an instrument is made again.
+	_, err = t.meter.RegisterCallback(func(ctx context.Context, o metric.Observer) error {
+		ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		defer cancel()
+		var age float64
+		if err := d.pool.QueryRow(ctx, d.store.oldest).Scan(&age); err != nil {
+			return nil // empty table, or the database is unreachable: no observation
+		}
+		o.ObserveFloat64(gauge, age, attrs)
+		return nil
+	}, gauge)
+	if err != nil {
+		return fmt.Errorf("observe %s: %w", MetricOldestMarkerAge, err)
 	}
 	return nil
 }

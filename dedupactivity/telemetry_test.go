@@ -278,6 +278,40 @@ func TestTelemetryTemporalMetrics(t *testing.T) {
 	}
 }
 
+// TestTableLabelNamesTheSchema: Dedupers on tables of one name in two
+// schemas report their markers under two dedup.table values.
+func TestTableLabelNamesTheSchema(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	ctx := context.Background()
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	var want []string
+	for _, s := range []string{b.schema.Name + "_a", b.schema.Name + "_b"} {
+		t.Cleanup(func() { _, _ = b.pool.Exec(context.Background(), `DROP SCHEMA IF EXISTS `+s+` CASCADE`) })
+		d, err := dedupactivity.New(b.pool, dedupactivity.Options{Schema: s, Table: "markers", MeterProvider: mp})
+		require.NoError(t, err)
+		require.NoError(t, d.Migrate(ctx))
+		_, err = deliver(t, "Post", dedupactivity.Wrap(d, b.post), Transfer{Account: "a", Amount: 1})
+		require.NoError(t, err)
+		want = append(want, s+".markers")
+	}
+	var rm metricdata.ResourceMetrics
+	require.NoError(t, reader.Collect(ctx, &rm))
+	var got []string
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if m.Name == dedupactivity.MetricOldestMarkerAge {
+				for _, dp := range m.Data.(metricdata.Gauge[float64]).DataPoints {
+					tbl, _ := dp.Attributes.Value(dedupactivity.TableKey)
+					got = append(got, tbl.AsString())
+				}
+			}
+		}
+	}
+	require.ElementsMatch(t, want, got)
+}
+
 // TestTelemetryMarkerMetrics checks the pruned-markers counter (both paths)
 // and the oldest-marker-age gauge, read from the table at collection.
 func TestTelemetryMarkerMetrics(t *testing.T) {
