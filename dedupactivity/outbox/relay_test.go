@@ -23,6 +23,7 @@ import (
 	"go.temporal.io/sdk/testsuite"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity/outbox"
+	"github.com/dedupactivity/dedupactivity/internal/pgtest"
 )
 
 func (b *testBundle) relay(t *testing.T, dest *destination, cfg outbox.RelayConfig) *outbox.Relay {
@@ -422,6 +423,38 @@ func httpSender(t *testing.T, url string) outbox.Sender {
 	s, err := outbox.NewHTTPSender(outbox.HTTPSenderConfig{Endpoints: map[string]string{"receipts": url}, Timeout: 2 * time.Second})
 	require.NoError(t, err)
 	return s
+}
+
+// TestTableLabelNamesTheSchema: outboxes on tables of one name in two
+// schemas report their backlog under two dedup.outbox.table values.
+func TestTableLabelNamesTheSchema(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t)
+	ctx := context.Background()
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	var want []string
+	for _, schema := range []string{s.Name + "_a", s.Name + "_b"} {
+		t.Cleanup(func() { _, _ = pgtestDrop(s, schema) })
+		ob, err := outbox.New(s.Pool, outbox.Options{Schema: schema, Table: "box", MeterProvider: mp})
+		require.NoError(t, err)
+		require.NoError(t, ob.Migrate(ctx))
+		want = append(want, schema+".box")
+	}
+	var rm metricdata.ResourceMetrics
+	require.NoError(t, reader.Collect(ctx, &rm))
+	var got []string
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if m.Name == outbox.MetricOldestPendingAge {
+				for _, dp := range m.Data.(metricdata.Gauge[float64]).DataPoints {
+					tbl, _ := dp.Attributes.Value(outbox.TableKey)
+					got = append(got, tbl.AsString())
+				}
+			}
+		}
+	}
+	require.ElementsMatch(t, want, got)
 }
 
 func TestRelayTelemetry(t *testing.T) {

@@ -33,8 +33,9 @@ const (
 	ReconcileActionKey = attribute.Key("dedup.outbox.reconcile.action")
 	// StateKey is a message state (State) in MetricMessages.
 	StateKey = attribute.Key("dedup.outbox.state")
-	// TableKey is the outbox table's name (Options.Table) on
-	// MetricMessages and MetricOldestPendingAge.
+	// TableKey is the outbox table's name on MetricMessages and
+	// MetricOldestPendingAge: Options.Table, or schema.table when
+	// Options.Schema is set.
 	TableKey = attribute.Key("dedup.outbox.table")
 )
 
@@ -101,7 +102,11 @@ func observeBacklog(meter metric.Meter, ob *Outbox) error {
 	if err != nil {
 		return fmt.Errorf("outbox: create %s: %w", MetricMessages, err)
 	}
-	table := TableKey.String(ob.opts.Table)
+	name := ob.opts.Table
+	if ob.opts.Schema != "" {
+		name = ob.opts.Schema + "." + name // tables of one name in two schemas: two series
+	}
+	table := TableKey.String(name)
 	attrs := func(state State) metric.ObserveOption {
 		return metric.WithAttributes(table, StateKey.String(string(state)))
 	}
