@@ -21,26 +21,10 @@ func TestLeastPrivilegeRole(t *testing.T) {
 	t.Parallel()
 	b := setup(t, dedupactivity.Options{})
 	ctx := context.Background()
-	role := "rt_" + b.schema.Name
-	s := pgx.Identifier{b.schema.Name}.Sanitize()
-	r := pgx.Identifier{role}.Sanitize()
-	_, err := b.pool.Exec(ctx, fmt.Sprintf(`
-CREATE ROLE %[2]s LOGIN PASSWORD 'pw';
-GRANT USAGE ON SCHEMA %[1]s TO %[2]s;
-GRANT SELECT, INSERT, DELETE, UPDATE (result) ON %[1]s.dedup_marker TO %[2]s;
+	pool := leastPrivilegePool(t, b, "rt_", `
 -- the effect's own tables
 GRANT SELECT, INSERT, UPDATE ON %[1]s.ledger, %[1]s.account TO %[2]s;
-GRANT USAGE ON SEQUENCE %[1]s.ledger_id_seq TO %[2]s;`, s, r))
-	require.NoError(t, err)
-	t.Cleanup(func() {
-		_, _ = b.pool.Exec(context.Background(), fmt.Sprintf(`DROP OWNED BY %[1]s; DROP ROLE %[1]s`, r))
-	})
-	cfg, err := pgxpool.ParseConfig(b.schema.URL)
-	require.NoError(t, err)
-	cfg.ConnConfig.User, cfg.ConnConfig.Password = role, "pw"
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	require.NoError(t, err)
-	defer pool.Close()
+GRANT USAGE ON SEQUENCE %[1]s.ledger_id_seq TO %[2]s;`)
 
 	d, err := dedupactivity.New(pool, dedupactivity.Options{})
 	require.NoError(t, err)
@@ -76,13 +60,28 @@ func TestLeastPrivilegeRolePartitionedLayout(t *testing.T) {
 WHERE i.inhparent = 'dedup_marker'::regclass AND c.relname <> 'dedup_marker_default'`).Scan(&last))
 	_, err := b.pool.Exec(ctx, `DROP TABLE `+last)
 	require.NoError(t, err)
-	role := "rp_" + b.schema.Name
+	pool := leastPrivilegePool(t, b, "rp_", "")
+	d, err := dedupactivity.New(pool, opts)
+	require.NoError(t, err)
+	require.NoError(t, d.Migrate(ctx))
+	require.NoError(t, b.d.Migrate(ctx), "the owner makes the missing partition")
+	require.Equal(t, int64(1), b.count(t, `SELECT count(*) FROM pg_class WHERE relname = $1 AND relnamespace = current_schema()::regnamespace`, last))
+}
+
+// leastPrivilegePool returns a pool of a new role (named prefix + the
+// test's schema) with the grants docs/design.md's Security section lists
+// for claiming, plus more (SQL with %[1]s for the schema, %[2]s for the
+// role); the role is dropped after the test.
+func leastPrivilegePool(t *testing.T, b *testBundle, prefix, more string) *pgxpool.Pool {
+	t.Helper()
+	ctx := context.Background()
+	role := prefix + b.schema.Name
 	s := pgx.Identifier{b.schema.Name}.Sanitize()
 	r := pgx.Identifier{role}.Sanitize()
-	_, err = b.pool.Exec(ctx, fmt.Sprintf(`
+	_, err := b.pool.Exec(ctx, fmt.Sprintf(`
 CREATE ROLE %[2]s LOGIN PASSWORD 'pw';
 GRANT USAGE ON SCHEMA %[1]s TO %[2]s;
-GRANT SELECT, INSERT, DELETE, UPDATE (result) ON %[1]s.dedup_marker TO %[2]s;`, s, r))
+GRANT SELECT, INSERT, DELETE, UPDATE (result) ON %[1]s.dedup_marker TO %[2]s;`+more, s, r))
 	require.NoError(t, err)
 	t.Cleanup(func() {
 		_, _ = b.pool.Exec(context.Background(), fmt.Sprintf(`DROP OWNED BY %[1]s; DROP ROLE %[1]s`, r))
@@ -92,12 +91,8 @@ GRANT SELECT, INSERT, DELETE, UPDATE (result) ON %[1]s.dedup_marker TO %[2]s;`, 
 	cfg.ConnConfig.User, cfg.ConnConfig.Password = role, "pw"
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	require.NoError(t, err)
-	defer pool.Close()
-	d, err := dedupactivity.New(pool, opts)
-	require.NoError(t, err)
-	require.NoError(t, d.Migrate(ctx))
-	require.NoError(t, b.d.Migrate(ctx), "the owner makes the missing partition")
-	require.Equal(t, int64(1), b.count(t, `SELECT count(*) FROM pg_class WHERE relname = $1 AND relnamespace = current_schema()::regnamespace`, last))
+	t.Cleanup(pool.Close)
+	return pool
 }
 
 // TestRefusedConnection: a database that refuses the connection gives a
