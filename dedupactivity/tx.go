@@ -108,11 +108,12 @@ func (t *claimTx) ready(ctx context.Context, args []any) error {
 	case t.state != stateLooked || positional(args):
 		// Statements with bind parameters cannot end a transaction: after a
 		// look, the marker can still go in with COMMIT.
-	case t.riding != nil:
-		// The batch the first statement rode in is still open: the
-		// connection is busy, as pgx says of any call made then. (Its BEGIN
-		// is not acknowledged yet either, so the status says nothing.)
-		return errRideOpen
+	case t.riding != nil || t.conn.PgConn().IsBusy():
+		// Rows still open (the first statement's, whose batch's BEGIN is
+		// not acknowledged yet, so the status says nothing, or a later
+		// Query's): the connection is busy, as pgx says of any call made
+		// then. This call fails alone.
+		return errConnBusy
 	case t.conn.PgConn().TxStatus() == 'E':
 		// A statement failed before the marker's key went in, so the
 		// transaction is aborted: all a call without bind parameters could
@@ -139,10 +140,12 @@ func (t *claimTx) ready(ctx context.Context, args []any) error {
 	return t.claimErr
 }
 
-// Errors of a single call after a look (see ready).
+// Errors of a single call after a look (see ready). The second is
+// retryable, as PostgreSQL's own answer to a statement in an aborted
+// transaction (25P02) is, whatever the attempt.
 var (
-	errRideOpen            = errors.New("dedupactivity: conn busy: read or close the Rows of the effect's first statement before a call without bind parameters")
-	errAbortedBeforeMarker = fmt.Errorf("%w: a statement failed, so the transaction is aborted; a call without bind parameters could only end it (ROLLBACK or COMMIT), which is the claim's to do: return the statement's error", ErrTxOwned)
+	errConnBusy            = errors.New("dedupactivity: conn busy: read or close the open Rows before a call without bind parameters")
+	errAbortedBeforeMarker = errors.New("dedupactivity: current transaction is aborted (a statement failed): a call without bind parameters is refused, as all it could do is end the transaction, which is the claim's to do; return the statement's error")
 )
 
 // rides says whether a statement with args can carry the claim: it is the

@@ -10,6 +10,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
+	"go.temporal.io/sdk/temporal"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 )
@@ -148,33 +149,44 @@ func TestFailedStatementBeforeTheMarker(t *testing.T) {
 			return tx.SendBatch(ctx, b).Close()
 		},
 		"Conn": func(ctx context.Context, tx pgx.Tx) error {
-			require.Nil(t, tx.Conn(), "no connection to end it on")
-			return dedupactivity.ErrTxOwned
+			if c := tx.Conn(); c != nil {
+				_, err := c.Exec(ctx, "ROLLBACK AND CHAIN")
+				return err
+			}
+			return errors.New("transaction is aborted: no Conn")
 		},
 	}
 	for name, end := range ends {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
 			b := setup(t, dedupactivity.Options{})
-			misuse := true
+			misuse, swallow := true, true
 			fn := dedupactivity.Wrap(b.d, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
 				p, err := b.post(ctx, tx, in)
 				if err != nil || !misuse {
 					return p, err
 				}
-				_, err = tx.Exec(ctx, "SELECT 1/$1::int", 0)
-				require.Error(t, err)
-				require.ErrorIs(t, end(ctx, tx), dedupactivity.ErrTxOwned)
-				return p, nil // the failures swallowed
+				_, failed := tx.Exec(ctx, "SELECT 1/$1::int", 0)
+				require.Error(t, failed)
+				refused := end(ctx, tx)
+				require.ErrorContains(t, refused, "transaction is aborted")
+				if swallow {
+					return p, nil
+				}
+				return p, errors.Join(failed, refused)
 			})
 			in := Transfer{Account: "a", Amount: 1}
-			_, err := deliver(t, "Post", fn, in)
-			require.ErrorContains(t, err, "a statement of the effect failed")
-			require.Zero(t, b.ledgerRows(t))
-			require.Zero(t, b.markers(t))
+			for _, swallow = range []bool{true, false} {
+				_, err := deliver(t, "Post", fn, in)
+				require.Error(t, err)
+				f := temporal.GetDefaultFailureConverter().ErrorToFailure(err)
+				require.False(t, f.GetApplicationFailureInfo().GetNonRetryable(), "retryable, as on any attempt (swallowed: %v)", swallow)
+				require.Zero(t, b.ledgerRows(t))
+				require.Zero(t, b.markers(t))
+			}
 
 			misuse = false
-			_, err = deliver(t, "Post", fn, in)
+			_, err := deliver(t, "Post", fn, in)
 			require.NoError(t, err)
 			require.Equal(t, int64(1), b.ledgerRows(t), "a later delivery applied the effect once")
 			require.Equal(t, int64(1), b.markers(t))
@@ -183,9 +195,9 @@ func TestFailedStatementBeforeTheMarker(t *testing.T) {
 }
 
 // TestCallWhileTheFirstRowsAreOpen: a call without bind parameters while
-// the Rows of the first statement (which rode with the claim) are open
-// fails alone, as pgx's busy connection does, and the attempt goes on once
-// they are closed.
+// Rows are open (the first statement's, which rode with the claim, or a
+// later one's) fails alone, as pgx's busy connection does, and the attempt
+// goes on once they are closed.
 func TestCallWhileTheFirstRowsAreOpen(t *testing.T) {
 	t.Parallel()
 	b := setup(t, dedupactivity.Options{})
@@ -203,6 +215,14 @@ func TestCallWhileTheFirstRowsAreOpen(t *testing.T) {
 			return p, err
 		}
 		p.EntryID = ids[0]
+		// The same with a later Query's Rows.
+		rows, err = tx.Query(ctx, `SELECT balance FROM account WHERE id = $1`, in.Account)
+		if err != nil {
+			return p, err
+		}
+		_, err = tx.Exec(ctx, "SELECT 1")
+		require.ErrorContains(t, err, "conn busy")
+		rows.Close()
 		_, err = tx.Exec(ctx, "SELECT 1")
 		return p, err
 	})
