@@ -121,12 +121,10 @@ func (d *Deduper) Migrate(ctx context.Context) error {
 }
 
 // createSchema creates Options.Schema (if set) unless it exists, in a
-// statement of its own, before the migration's transaction. Inside that
-// transaction, CREATE SCHEMA IF NOT EXISTS run after waiting for the lock
-// while another process created the schema could fail with a
-// unique_violation on pg_namespace: it did not see the other's commit
-// (outbox's TestMigrateIdempotentAndConcurrent, a Deduper and an Outbox
-// migrating into one new schema). Here the same schema created at once
+// statement of its own, before the migration's transaction: inside it,
+// after waiting for the lock while another process created the schema,
+// CREATE SCHEMA IF NOT EXISTS can miss the other's commit and fail with a
+// unique_violation on pg_namespace. Here the same schema created at once
 // elsewhere (unique_violation, or duplicate_schema) has committed, which is
 // all this asks, and the transaction begins after it.
 func (d *Deduper) createSchema(ctx context.Context) error {

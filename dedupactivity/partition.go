@@ -103,7 +103,8 @@ func (d *Deduper) partitions(ctx context.Context) ([]partition, error) {
 // its retention (most of them) is passed over without blocking claims; one
 // that looks expired is detached and checked again in one transaction
 // holding the table lock, so no claim can insert into it between the check
-// and the drop. progress (if not nil) is called after each partition.
+// and the drop. progress (if not nil) is called with the count so far
+// before each past partition is read.
 func (d *Deduper) dropExpiredPartitions(ctx context.Context, progress func(deleted int64)) (int64, error) {
 	parts, err := d.partitions(ctx)
 	if err != nil {

@@ -440,10 +440,10 @@ func (ob *Outbox) Migrate(ctx context.Context) error {
 // createSchema creates Options.Schema (if set) unless it exists, in a
 // statement of its own, before the migration's transaction, as
 // dedupactivity's Deduper.Migrate does (see its createSchema): created
-// inside, it could fail with a unique_violation when another process,
-// outbox or Deduper, created it while this one waited for the lock. The
-// same schema created at once elsewhere (unique_violation, or
-// duplicate_schema) has committed, which is all this asks.
+// inside, it can fail with a unique_violation when another process, outbox
+// or Deduper, created it while this one waited for the lock. The same
+// schema created at once elsewhere (unique_violation, or duplicate_schema)
+// has committed, which is all this asks.
 func (ob *Outbox) createSchema(ctx context.Context) error {
 	if ob.opts.Schema == "" {
 		return nil

@@ -187,7 +187,7 @@ func NewReconciler(ob *Outbox, cfg ReconcilerConfig) (*Reconciler, error) {
 	switch {
 	case cfg.Checker == nil:
 		return nil, fmt.Errorf("%w: ReconcilerConfig.Checker is nil", ErrInvalidConfig)
-	case httpChecker != nil && httpChecker.URL == nil:
+	case httpChecker != nil && httpChecker.URL == nil, cfg.Checker == (*HTTPChecker)(nil):
 		return nil, fmt.Errorf("%w: ReconcilerConfig.Checker is an HTTPChecker without a URL", ErrInvalidConfig)
 	case cfg.UnackedAfter < time.Millisecond:
 		return nil, fmt.Errorf("%w: ReconcilerConfig.UnackedAfter must be at least 1ms, got %s", ErrInvalidConfig, cfg.UnackedAfter)

@@ -399,7 +399,7 @@ func TestReconcilerReportsWhatItCannotAsk(t *testing.T) {
 
 	_, err = outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{})
 	require.ErrorIs(t, err, outbox.ErrInvalidConfig)
-	for _, c := range []outbox.Checker{outbox.HTTPChecker{}, &outbox.HTTPChecker{}} {
+	for _, c := range []outbox.Checker{outbox.HTTPChecker{}, &outbox.HTTPChecker{}, (*outbox.HTTPChecker)(nil)} {
 		_, err = outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{Checker: c})
 		require.ErrorIs(t, err, outbox.ErrInvalidConfig)
 	}
