@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
-	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -33,6 +32,9 @@ func (d *Deduper) ensurePartitions(ctx context.Context) (int, error) {
 	}
 	have := map[string]bool{}
 	for _, p := range existing {
+		if w := p.hi.Sub(p.lo); w != iv {
+			return 0, fmt.Errorf("%w: partition %s spans %s and PartitionInterval is %s: the table's partitions were made with another PartitionInterval; give Options the table's", ErrInvalidOptions, p.name, w, iv)
+		}
 		have[p.name] = true
 	}
 	created := 0
@@ -64,8 +66,8 @@ func (d *Deduper) ensurePartitions(ctx context.Context) (int, error) {
 }
 
 type partition struct {
-	name string
-	hi   time.Time // exclusive upper bound
+	name   string
+	lo, hi time.Time // its range: [lo, hi)
 }
 
 // partitions lists the range partitions (not the default one).
@@ -76,20 +78,16 @@ func (d *Deduper) partitions(ctx context.Context) ([]partition, error) {
 	}
 	defer rows.Close()
 	var out []partition
-	prefix := d.opts.Table + "_p"
 	for rows.Next() {
 		var name string
-		if err := rows.Scan(&name); err != nil {
+		var lo, hi *float64
+		if err := rows.Scan(&name, &lo, &hi); err != nil {
 			return nil, err
 		}
-		if !strings.HasPrefix(name, prefix) {
+		if lo == nil || hi == nil {
 			continue // the default partition
 		}
-		lo, err := strconv.ParseInt(strings.TrimPrefix(name, prefix), 10, 64)
-		if err != nil {
-			continue
-		}
-		out = append(out, partition{name: name, hi: time.Unix(lo, 0).Add(d.opts.PartitionInterval)})
+		out = append(out, partition{name: name, lo: time.Unix(int64(*lo), 0), hi: time.Unix(int64(*hi), 0)})
 	}
 	if err := rows.Err(); err != nil {
 		return nil, fmt.Errorf("dedupactivity: list partitions: %w", interpretError(err, false))

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	"go.temporal.io/sdk/activity"
 	"go.temporal.io/sdk/testsuite"
@@ -126,11 +127,34 @@ func TestMigrateRefusesTheOtherLayout(t *testing.T) {
 	made, err := dedupactivity.New(b.pool, dedupactivity.Options{Table: "hourly", PartitionInterval: time.Hour, Retention: time.Hour})
 	require.NoError(t, err)
 	require.NoError(t, made.Migrate(ctx))
-	for _, iv := range []time.Duration{30 * time.Minute, 24 * time.Hour} {
-		used, err := dedupactivity.New(b.pool, dedupactivity.Options{Table: "hourly", PartitionInterval: iv, Retention: 24 * time.Hour})
+	// Read through a session whose DateStyle and TimeZone are not the
+	// creator's: the bounds are read back from their text.
+	cfg, err := pgxpool.ParseConfig(b.schema.URL)
+	require.NoError(t, err)
+	cfg.ConnConfig.RuntimeParams["DateStyle"] = "SQL, DMY"
+	cfg.ConnConfig.RuntimeParams["TimeZone"] = "Asia/Kolkata"
+	odd, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	defer odd.Close()
+	for _, iv := range []time.Duration{30 * time.Minute, 2 * time.Hour, 24 * time.Hour} {
+		used, err := dedupactivity.New(odd, dedupactivity.Options{Table: "hourly", PartitionInterval: iv, Retention: 24 * time.Hour})
 		require.NoError(t, err)
 		err = used.Migrate(ctx)
 		require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions, iv)
 		require.ErrorContains(t, err, "PartitionInterval", iv)
 	}
+	// A coarser interval that lines up with the table's finds names it
+	// expects and overlaps nothing: refused all the same.
+	half, err := dedupactivity.New(b.pool, dedupactivity.Options{Table: "halfhourly", PartitionInterval: 30 * time.Minute, Retention: time.Hour})
+	require.NoError(t, err)
+	require.NoError(t, half.Migrate(ctx))
+	coarse, err := dedupactivity.New(odd, dedupactivity.Options{Table: "halfhourly", PartitionInterval: time.Hour, Retention: time.Hour})
+	require.NoError(t, err)
+	require.ErrorIs(t, coarse.Migrate(ctx), dedupactivity.ErrInvalidOptions)
+
+	same, err := dedupactivity.New(odd, dedupactivity.Options{Table: "hourly", PartitionInterval: time.Hour, Retention: time.Hour})
+	require.NoError(t, err)
+	require.NoError(t, same.Migrate(ctx), "the table's own interval, read in another DateStyle and TimeZone")
+	_, err = same.Prune(ctx)
+	require.NoError(t, err)
 }

@@ -161,7 +161,14 @@ func recordVersionSQL(table string) string {
 
 // Partition maintenance (partition.go).
 const (
-	listPartitionsSQL = `SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+	// listPartitionsSQL lists the partitions of $1 with their bounds in
+	// Unix seconds (NULL for the default partition), read back from the
+	// bound's text in the session's own DateStyle and TimeZone.
+	listPartitionsSQL = `SELECT c.relname,
+	extract(epoch FROM substring(b.expr FROM $$FROM \('([^']+)'\)$$)::timestamptz)::float8,
+	extract(epoch FROM substring(b.expr FROM $$TO \('([^']+)'\)$$)::timestamptz)::float8
+FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid,
+	LATERAL (SELECT pg_get_expr(c.relpartbound, c.oid) AS expr) b
 WHERE i.inhparent = $1::regclass`
 	setLocalLockTimeoutSQL = `SELECT set_config('lock_timeout', $1, true)`
 )
