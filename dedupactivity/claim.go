@@ -137,8 +137,9 @@ func (d *Deduper) claim(ctx context.Context, m *marker, ride bool, fn applyFunc)
 	switch tx.conn.PgConn().TxStatus() {
 	case 'I':
 		if tx.state == stateLooked {
-			// Statements with bind parameters cannot end a transaction: a
-			// call without them did, after a statement failed (see ready).
+			// Not reachable through the Tx: ready refuses the calls that
+			// could end the transaction before the marker's key went in.
+			// Should it have ended anyway, say so.
 			return a, errEndedUnmarked()
 		}
 		return a, d.endedByEffect(ctx, tx.conn, m)
