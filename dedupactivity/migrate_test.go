@@ -251,9 +251,13 @@ func TestRedeliveryWarning(t *testing.T) {
 		"ScheduleToCloseWithin": {workflow.ActivityOptions{ScheduleToCloseTimeout: time.Hour}, false},
 		"ScheduleToCloseBeyond": {workflow.ActivityOptions{ScheduleToCloseTimeout: 40 * day}, true},
 		"UnlimitedRetries":      {workflow.ActivityOptions{StartToCloseTimeout: time.Minute}, true},
-		"BoundedRetriesWithin":  {workflow.ActivityOptions{StartToCloseTimeout: time.Minute, RetryPolicy: &temporal.RetryPolicy{MaximumAttempts: 5, MaximumInterval: time.Minute}}, false},
-		"BoundedRetriesTooLong": {workflow.ActivityOptions{StartToCloseTimeout: time.Hour, RetryPolicy: &temporal.RetryPolicy{MaximumAttempts: 1000, MaximumInterval: time.Hour}}, true},
-		"ZeroAttemptsUnlimited": {workflow.ActivityOptions{StartToCloseTimeout: time.Minute, RetryPolicy: &temporal.RetryPolicy{}}, true},
+		"BoundedRetriesWithin":  {workflow.ActivityOptions{ScheduleToStartTimeout: time.Minute, StartToCloseTimeout: time.Minute, RetryPolicy: &temporal.RetryPolicy{MaximumAttempts: 5, MaximumInterval: time.Minute}}, false},
+		"BoundedRetriesTooLong": {workflow.ActivityOptions{ScheduleToStartTimeout: time.Minute, StartToCloseTimeout: time.Hour, RetryPolicy: &temporal.RetryPolicy{MaximumAttempts: 1000, MaximumInterval: time.Hour}}, true},
+		// Each attempt may wait in the task queue: without ScheduleToStart,
+		// without bound; with it, that wait counts.
+		"BoundedRetriesUnboundedQueueWait": {workflow.ActivityOptions{StartToCloseTimeout: time.Minute, RetryPolicy: &temporal.RetryPolicy{MaximumAttempts: 5, MaximumInterval: time.Minute}}, true},
+		"BoundedRetriesLongQueueWait":      {workflow.ActivityOptions{ScheduleToStartTimeout: 8 * day, StartToCloseTimeout: time.Minute, RetryPolicy: &temporal.RetryPolicy{MaximumAttempts: 5, MaximumInterval: time.Minute}}, true},
+		"ZeroAttemptsUnlimited":            {workflow.ActivityOptions{StartToCloseTimeout: time.Minute, RetryPolicy: &temporal.RetryPolicy{}}, true},
 	}
 	for name, c := range cases {
 		t.Run(name, func(t *testing.T) {

@@ -139,8 +139,10 @@ func EnsurePruneSchedule(ctx context.Context, c client.Client, d *Deduper, sched
 // It returns "" when the options bound redelivery within retention. Call it
 // at worker start for the options your workflows use, and log what it says.
 //
-// Redelivery is bounded by ScheduleToClose; without it, by StartToClose
-// times the retry policy's MaximumAttempts plus the backoff between them.
+// Redelivery is bounded by ScheduleToClose; without it, by MaximumAttempts
+// times each attempt's ScheduleToStart (its wait in the task queue, say
+// while no worker polls it) plus StartToClose plus the backoff. Without
+// ScheduleToStart an attempt may wait in the queue without bound.
 func RedeliveryWarning(activityType string, opts workflow.ActivityOptions, retention time.Duration) string {
 	if opts.ScheduleToCloseTimeout > 0 {
 		if opts.ScheduleToCloseTimeout > retention {
@@ -154,11 +156,15 @@ func RedeliveryWarning(activityType string, opts workflow.ActivityOptions, reten
 		return fmt.Sprintf("activity %s: no ScheduleToClose and unlimited retries: Temporal may redeliver it after the marker retention %s; set ScheduleToCloseTimeout or RetryPolicy.MaximumAttempts",
 			activityType, retention)
 	}
+	if opts.ScheduleToStartTimeout == 0 {
+		return fmt.Sprintf("activity %s: no ScheduleToClose and no ScheduleToStart: an attempt may wait in the task queue without bound (while no worker polls it) and be delivered after the marker retention %s; set ScheduleToCloseTimeout",
+			activityType, retention)
+	}
 	maxInterval := rp.MaximumInterval
 	if maxInterval == 0 {
 		maxInterval = 100 * max(rp.InitialInterval, time.Second)
 	}
-	bound := time.Duration(rp.MaximumAttempts) * (opts.StartToCloseTimeout + maxInterval)
+	bound := time.Duration(rp.MaximumAttempts) * (opts.ScheduleToStartTimeout + opts.StartToCloseTimeout + maxInterval)
 	if bound > retention {
 		return fmt.Sprintf("activity %s: %d attempts may span up to %s, beyond the marker retention %s", activityType, rp.MaximumAttempts, bound, retention)
 	}
