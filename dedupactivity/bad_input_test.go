@@ -110,6 +110,19 @@ func TestBadCalls(t *testing.T) {
 			}
 		}
 	})
+	// A null input for an interface-typed In reaches the key function as
+	// In's zero value, not as a panic.
+	t.Run("BusinessKeyOfNilInput", func(t *testing.T) {
+		fn := dedupactivity.Wrap(b.d, func(context.Context, pgx.Tx, any) (Posting, error) { return Posting{}, nil },
+			dedupactivity.WithBusinessKey(func(in any) (string, error) {
+				if in == nil {
+					return "", errors.New("no input, no key")
+				}
+				return "k", nil
+			}))
+		_, err := deliver[any, Posting](t, "AnyIn", fn, nil)
+		require.ErrorContains(t, err, "no input, no key")
+	})
 	t.Run("HugeBusinessKey", func(t *testing.T) {
 		fn := dedupactivity.Wrap(b.d, b.post, dedupactivity.WithBusinessKey(func(Transfer) (string, error) {
 			return strings.Repeat("k", 1<<20), nil

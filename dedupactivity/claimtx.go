@@ -21,6 +21,7 @@ type Claim[Out any] struct {
 	tx      pgx.Tx
 	m       *marker
 	info    activity.Info
+	id      Identity
 	outcome Outcome
 	stored  Out
 	done    bool
@@ -40,7 +41,8 @@ type Claim[Out any] struct {
 // wrapping ErrPayloadMismatch.
 //
 // The claim inserts the marker right away, so a concurrent attempt of the
-// same event waits (at most Options.ClaimWait) until tx ends. Committing tx
+// same event waits (at most Options.ClaimWait) until tx ends. Call Complete
+// through the same tx before it ends: on a savepoint, before releasing it. Committing tx
 // without Complete marks the event without a result: later deliveries fail
 // with ErrTxEnded (with Options.DiscardResults, they are duplicates). Any isolation level works; under REPEATABLE READ and
 // SERIALIZABLE a concurrent commit of the same event is a serialization
@@ -61,7 +63,7 @@ func ClaimTx[Out any](ctx context.Context, d *Deduper, tx pgx.Tx, id Identity, i
 	if err != nil {
 		return nil, err
 	}
-	c := &Claim[Out]{d: d, tx: tx, info: info, m: m}
+	c := &Claim[Out]{d: d, tx: tx, info: info, id: id, m: m}
 
 	ctx, rec := d.tel.start(ctx, info, id, hash)
 	a := attempt{outcome: OutcomeError}
@@ -113,7 +115,7 @@ func ClaimTx[Out any](ctx context.Context, d *Deduper, tx pgx.Tx, id Identity, i
 	}
 	c.outcome = a.outcome
 	if len(a.result) > 0 {
-		if err = decodeResult(d.converter(info), a.result, &c.stored); err != nil {
+		if err = decodeResult(d.resultConverter(info, id), a.result, &c.stored); err != nil {
 			a.outcome = OutcomeError
 			return nil, err
 		}
@@ -138,7 +140,7 @@ func (c *Claim[Out]) Complete(ctx context.Context, result Out) error {
 	if c.outcome != OutcomeClaimed || c.done {
 		return ErrNotClaimed
 	}
-	b, _, err := c.d.encodeResult(c.d.converter(c.info), result)
+	b, _, err := c.d.encodeResult(c.d.resultConverter(c.info, c.id), result)
 	if err != nil {
 		return err
 	}

@@ -5,11 +5,17 @@ import (
 	"fmt"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 	commonpb "go.temporal.io/api/common/v1"
+	"go.temporal.io/sdk/activity"
+	"go.temporal.io/sdk/client"
 	"go.temporal.io/sdk/converter"
+	"go.temporal.io/sdk/temporal"
+	"go.temporal.io/sdk/testsuite"
+	"go.temporal.io/sdk/workflow"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 )
@@ -78,6 +84,43 @@ func TestDataConverterWithSerializationContext(t *testing.T) {
 		require.Equal(t, "default-test-workflow-id", ac.WorkflowID)
 		require.NotEmpty(t, ac.TaskQueue)
 	}
+}
+
+// TestBusinessKeyResultAcrossWorkflows: a business key's deliveries come
+// from several workflows; with a converter that keys on the workflow, the
+// stored result is encoded in the identity's context, so a duplicate from
+// another workflow decodes it.
+func TestBusinessKeyResultAcrossWorkflows(t *testing.T) {
+	t.Parallel()
+	var seen []converter.SerializationContext
+	dc := contextConverter{DataConverter: converter.GetDefaultDataConverter(), seen: &seen, mu: &sync.Mutex{}}
+	b := setup(t, dedupactivity.Options{DataConverter: dc})
+	fn := dedupactivity.Wrap(b.d, b.post, dedupactivity.WithBusinessKey(func(in Transfer) (string, error) { return "order-" + in.Account, nil }))
+	run := func(workflowID string) (Posting, error) {
+		var s testsuite.WorkflowTestSuite
+		env := s.NewTestWorkflowEnvironment()
+		env.RegisterActivityWithOptions(fn, activity.RegisterOptions{Name: "Keyed"})
+		env.RegisterWorkflowWithOptions(func(ctx workflow.Context, in Transfer) (Posting, error) {
+			ctx = workflow.WithActivityOptions(ctx, workflow.ActivityOptions{StartToCloseTimeout: time.Minute,
+				RetryPolicy: &temporal.RetryPolicy{MaximumAttempts: 1}})
+			var p Posting
+			err := workflow.ExecuteActivity(ctx, "Keyed", in).Get(ctx, &p)
+			return p, err
+		}, workflow.RegisterOptions{Name: "KeyedWorkflow"})
+		env.SetStartWorkflowOptions(client.StartWorkflowOptions{ID: workflowID})
+		env.ExecuteWorkflow("KeyedWorkflow", Transfer{Account: "a", Amount: 3})
+		var p Posting
+		if err := env.GetWorkflowError(); err != nil {
+			return p, err
+		}
+		return p, env.GetWorkflowResult(&p)
+	}
+	first, err := run("wf-A")
+	require.NoError(t, err)
+	second, err := run("wf-B")
+	require.NoError(t, err, "the duplicate from another workflow decodes the stored result")
+	require.Equal(t, first, second)
+	require.Equal(t, int64(1), b.ledgerRows(t))
 }
 
 // TestDoReturnsTheSameValueFirstAndAgain: Do returns a first delivery's

@@ -24,8 +24,9 @@ func withEvent(ctx context.Context, hash [32]byte) context.Context {
 //
 // Inside an EffectFunc it is the key of the event being applied (a business
 // key's when WithBusinessKey is used). In any other activity context it is
-// the key of the activity's run-scoped identity (IdentityFromInfo). Outside
-// both it returns "", false.
+// the key of the activity's run-scoped identity (IdentityFromInfo), also
+// around a ClaimTx, whose identity ctx does not carry: there, use "dedup-"
+// and the hex of the claimed id's Hash. Outside both it returns "", false.
 func IdempotencyKey(ctx context.Context) (string, bool) {
 	if h, ok := ctx.Value(eventKey{}).([32]byte); ok {
 		return "dedup-" + hex.EncodeToString(h[:]), true

@@ -29,6 +29,18 @@ func (d *Deduper) converter(info activity.Info) converter.DataConverter {
 	return converter.WithDataConverterSerializationContext(d.opts.DataConverter, sc)
 }
 
+// resultConverter is the data converter, with its serialization context,
+// for the stored result of id delivered as info. A business key's
+// deliveries come from any workflow, so its result is encoded and decoded
+// in the context of the identity alone (namespace and activity type), which
+// every delivery and Result share; a run-scoped result in the activity's.
+func (d *Deduper) resultConverter(info activity.Info, id Identity) converter.DataConverter {
+	if id.Kind == KindBusinessKey {
+		return d.converter(identityInfo(id))
+	}
+	return d.converter(info)
+}
+
 // encodeResult encodes an effect's result for the marker: a serialized
 // Temporal Payload (also returned, unserialized), or empty when results are
 // discarded.

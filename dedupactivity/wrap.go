@@ -57,8 +57,10 @@ type wrapConfig struct {
 // when their JSON encodings (as the default data converter makes them) are
 // equal after object members whose value is null, false, 0, "", [] or {} are
 // dropped and member order is ignored. So adding a field to the input
-// struct, or omitempty, changes nothing for inputs that leave it at its
-// zero value.
+// struct, or omitempty, changes nothing for inputs that leave it at a zero
+// value whose JSON is one of these. A zero time.Time (JSON
+// "0001-01-01T00:00:00Z") or a zero array ([0,0,...]) is not: such a field
+// added is a different input.
 //
 // An error from key fails the attempt before anything is claimed. A
 // *temporal.ApplicationError reaches Temporal unchanged, so
@@ -68,7 +70,10 @@ func WithBusinessKey[In any](key func(in In) (string, error)) WrapOption {
 	return wrapOptionFunc(func(c *wrapConfig) {
 		c.keyType = reflect.TypeFor[In]()
 		c.keyNil = key == nil
-		c.keyFn = func(in any) (string, error) { return key(in.(In)) }
+		c.keyFn = func(in any) (string, error) {
+			v, _ := in.(In) // a nil input (In an interface type) is In's zero value
+			return key(v)
+		}
 	})
 }
 
@@ -238,7 +243,7 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 		return out, a, err
 	}
 
-	dc := w.d.converter(info)
+	dc := w.d.resultConverter(info, id)
 	var claimedOut Out
 	var claimedPayload *commonpb.Payload
 	a, err = w.d.claim(ctx, m, mayRide(id, info), func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
