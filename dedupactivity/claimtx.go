@@ -110,6 +110,16 @@ func ClaimTx[Out any](ctx context.Context, d *Deduper, tx pgx.Tx, id Identity, i
 	if cerr := br.Close(); rerr == nil {
 		rerr = cerr
 	}
+	if rerr == nil && found && st.result == nil {
+		// No result yet: the marker may be this very transaction's, from an
+		// earlier ClaimTx of the same event not completed yet.
+		var xact *string
+		if err := tx.QueryRow(ctx, currentXactSQL).Scan(&xact); err == nil && xact != nil {
+			if mine := (&marker{xact: *xact}).insertedBy(st.xmin); mine {
+				return nil, errors.New("dedupactivity: the event is already claimed in this transaction, and not completed: Complete that claim, or claim each event once per transaction")
+			}
+		}
+	}
 	if a, err = d.judge(c.m, st, found, rerr, a); err != nil {
 		return nil, err
 	}

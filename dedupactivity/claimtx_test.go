@@ -88,6 +88,19 @@ func TestClaimTx(t *testing.T) {
 	require.True(t, applied)
 	require.ErrorIs(t, err, dedupactivity.ErrTxEnded)
 
+	// The same event claimed twice in one transaction, before Complete:
+	// said plainly, not taken for an effect that ended its transaction.
+	id = dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "order-twice"}
+	twice, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = twice.Rollback(ctx) }() // also if an assertion below fails
+	_, err = dedupactivity.ClaimTx[Posting](ctx, b.d, twice, id, in)
+	require.NoError(t, err)
+	_, err = dedupactivity.ClaimTx[Posting](ctx, b.d, twice, id, in)
+	require.ErrorContains(t, err, "already claimed in this transaction")
+	require.NotErrorIs(t, err, dedupactivity.ErrTxEnded)
+	require.NoError(t, twice.Rollback(ctx))
+
 	// Complete in another transaction than the claim's.
 	id = dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "order-4"}
 	conn, err := b.pool.Acquire(ctx)

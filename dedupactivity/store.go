@@ -142,7 +142,10 @@ const (
 	(SELECT coalesce(has_table_privilege(to_regclass($3), 'SELECT'), false)),
 	(SELECT to_regprocedure($4) IS NOT NULL),
 	(SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($1))`
-	advisoryXactLockSQL   = `SELECT pg_advisory_xact_lock($1)`
+	advisoryXactLockSQL = `SELECT pg_advisory_xact_lock($1)`
+	// currentXactSQL is the transaction's ID, or NULL if it has written
+	// nothing.
+	currentXactSQL        = `SELECT pg_current_xact_id_if_assigned()::text`
 	setLocalSearchPathSQL = `SELECT set_config('search_path', $1, true)`
 )
 
