@@ -7,7 +7,7 @@ func SetAfterSendHook(r *Relay, hook func(Delivery) error) { r.afterSend = hook 
 
 // RelayWorkflow, RelayActivityName and ReconcileActivityName expose the
 // names RegisterRelay and RegisterReconciler register, for tests.
-var RelayWorkflow = relayWorkflow
+var RelayWorkflow = sweep[RelayResult]
 
 func RelayActivityName(r *Relay) string { return r.relayActivityName() }
 

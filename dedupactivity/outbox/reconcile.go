@@ -177,17 +177,17 @@ func NewReconciler(ob *Outbox, cfg ReconcilerConfig) (*Reconciler, error) {
 	if cfg.MeterProvider == nil {
 		cfg.MeterProvider = otel.GetMeterProvider()
 	}
-	var httpChecker *HTTPChecker
+	var noURL bool // an HTTPChecker that cannot ask
 	switch c := cfg.Checker.(type) {
 	case HTTPChecker:
-		httpChecker = &c
+		noURL = c.URL == nil
 	case *HTTPChecker:
-		httpChecker = c
+		noURL = c == nil || c.URL == nil
 	}
 	switch {
 	case cfg.Checker == nil:
 		return nil, fmt.Errorf("%w: ReconcilerConfig.Checker is nil", ErrInvalidConfig)
-	case httpChecker != nil && httpChecker.URL == nil, cfg.Checker == (*HTTPChecker)(nil):
+	case noURL:
 		return nil, fmt.Errorf("%w: ReconcilerConfig.Checker is an HTTPChecker without a URL", ErrInvalidConfig)
 	case cfg.UnackedAfter < time.Millisecond:
 		return nil, fmt.Errorf("%w: ReconcilerConfig.UnackedAfter must be at least 1ms, got %s", ErrInvalidConfig, cfg.UnackedAfter)

@@ -44,7 +44,7 @@ func (rc *Reconciler) reconcileActivityName() string {
 func RegisterRelay(r worker.Registry, relay *Relay) {
 	// The same function for every outbox: registering it again is not a
 	// conflict.
-	r.RegisterWorkflowWithOptions(relayWorkflow, workflow.RegisterOptions{Name: relayWorkflowName, DisableAlreadyRegisteredCheck: true})
+	r.RegisterWorkflowWithOptions(sweep[RelayResult], workflow.RegisterOptions{Name: relayWorkflowName, DisableAlreadyRegisteredCheck: true})
 	r.RegisterActivityWithOptions(relay.Activity, activity.RegisterOptions{Name: relay.relayActivityName()})
 }
 
@@ -54,25 +54,11 @@ func (r *Relay) Activity(ctx context.Context) (RelayResult, error) {
 	return r.runOnce(ctx, func(res RelayResult) { activity.RecordHeartbeat(ctx, res) })
 }
 
-// relayWorkflow runs one relay activity (its name is the input).
-func relayWorkflow(ctx workflow.Context, activityName string) (RelayResult, error) {
-	var res RelayResult
-	err := workflow.ExecuteActivity(withSweepOptions(ctx), activityName).Get(ctx, &res)
-	return res, err
-}
-
 // RegisterReconciler registers the reconcile workflow and rc's activity on a
 // worker; the activity runs Reconcile and returns its ReconcileReport.
 func RegisterReconciler(r worker.Registry, rc *Reconciler) {
-	r.RegisterWorkflowWithOptions(reconcileWorkflow, workflow.RegisterOptions{Name: reconcileWorkflowName, DisableAlreadyRegisteredCheck: true})
+	r.RegisterWorkflowWithOptions(sweep[ReconcileReport], workflow.RegisterOptions{Name: reconcileWorkflowName, DisableAlreadyRegisteredCheck: true})
 	r.RegisterActivityWithOptions(rc.Reconcile, activity.RegisterOptions{Name: rc.reconcileActivityName()})
-}
-
-// reconcileWorkflow runs one reconcile activity (its name is the input).
-func reconcileWorkflow(ctx workflow.Context, activityName string) (ReconcileReport, error) {
-	var rep ReconcileReport
-	err := workflow.ExecuteActivity(withSweepOptions(ctx), activityName).Get(ctx, &rep)
-	return rep, err
 }
 
 // PruneResult is what one run of the prune activity did.
@@ -87,7 +73,7 @@ type PruneResult struct {
 // and rejected messages go once Options.Retention has passed instead of
 // piling up. Call it once for each outbox a worker prunes.
 func RegisterPruner(r worker.Registry, ob *Outbox) {
-	r.RegisterWorkflowWithOptions(pruneWorkflow, workflow.RegisterOptions{Name: pruneWorkflowName, DisableAlreadyRegisteredCheck: true})
+	r.RegisterWorkflowWithOptions(sweep[PruneResult], workflow.RegisterOptions{Name: pruneWorkflowName, DisableAlreadyRegisteredCheck: true})
 	r.RegisterActivityWithOptions(ob.pruneActivity, activity.RegisterOptions{Name: ob.pruneActivityName()})
 }
 
@@ -97,9 +83,10 @@ func (ob *Outbox) pruneActivity(ctx context.Context) (PruneResult, error) {
 	return PruneResult{Deleted: n}, err
 }
 
-// pruneWorkflow runs one prune activity (its name is the input).
-func pruneWorkflow(ctx workflow.Context, activityName string) (PruneResult, error) {
-	var res PruneResult
+// sweep is the relay, reconcile and prune workflows: it runs one activity
+// (its name is the input) and returns its result.
+func sweep[R any](ctx workflow.Context, activityName string) (R, error) {
+	var res R
 	err := workflow.ExecuteActivity(withSweepOptions(ctx), activityName).Get(ctx, &res)
 	return res, err
 }
@@ -113,7 +100,7 @@ func withSweepOptions(ctx workflow.Context) workflow.Context {
 }
 
 // EnsureRelaySchedule creates, if it does not exist, a Schedule with the
-// given ID that runs relayWorkflow for r every interval on taskQueue (where
+// given ID that runs the relay workflow for r every interval on taskQueue (where
 // RegisterRelay registered it). Overlapping runs are skipped. It is
 // idempotent and safe to call from every worker at start.
 func EnsureRelaySchedule(ctx context.Context, c client.Client, r *Relay, scheduleID, taskQueue string, interval time.Duration) error {
