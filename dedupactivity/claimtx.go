@@ -42,9 +42,10 @@ type Claim[Out any] struct {
 //
 // The claim inserts the marker right away, so a concurrent attempt of the
 // same event waits (at most Options.ClaimWait) until tx ends. Call Complete
-// through the same tx before it ends: on a savepoint, before releasing it. Committing tx
-// without Complete marks the event without a result: later deliveries fail
-// with ErrTxEnded (with Options.DiscardResults, they are duplicates). Any isolation level works; under REPEATABLE READ and
+// through the same tx before it ends: on a savepoint, before releasing it.
+// Committing tx without Complete marks the event without a result: later
+// deliveries fail with ErrTxEnded (with Options.DiscardResults, they are
+// duplicates). Any isolation level works; under REPEATABLE READ and
 // SERIALIZABLE a concurrent commit of the same event is a serialization
 // failure (SQLSTATE 40001) that the caller retries as usual. The
 // partitioned layout is not supported (its key is the activity's
@@ -114,10 +115,8 @@ func ClaimTx[Out any](ctx context.Context, d *Deduper, tx pgx.Tx, id Identity, i
 		// No result yet: the marker may be this very transaction's, from an
 		// earlier ClaimTx of the same event not completed yet.
 		var xact *string
-		if err := tx.QueryRow(ctx, currentXactSQL).Scan(&xact); err == nil && xact != nil {
-			if mine := (&marker{xact: *xact}).insertedBy(st.xmin); mine {
-				return nil, errors.New("dedupactivity: the event is already claimed in this transaction, and not completed: Complete that claim, or claim each event once per transaction")
-			}
+		if err := tx.QueryRow(ctx, currentXactSQL).Scan(&xact); err == nil && xact != nil && sameXact(*xact, st.xmin) {
+			return nil, errors.New("dedupactivity: the event is already claimed in this transaction, and not completed: Complete that claim, or claim each event once per transaction")
 		}
 	}
 	if a, err = d.judge(c.m, st, found, rerr, a); err != nil {

@@ -245,8 +245,12 @@ func (s *store) withKey(m *marker, args ...any) []any {
 
 // insertedBy says whether xmin (a marker's, as text) is the transaction that
 // claimed m: the 32 low bits of the claim's xid8.
-func (m *marker) insertedBy(xmin string) bool {
-	x, err1 := strconv.ParseUint(m.xact, 10, 64)
+func (m *marker) insertedBy(xmin string) bool { return sameXact(m.xact, xmin) }
+
+// sameXact says whether the transaction xact (a full xid8, as text) is the
+// one whose 32-bit xid is xmin (a row's xmin, as text).
+func sameXact(xact, xmin string) bool {
+	x, err1 := strconv.ParseUint(xact, 10, 64)
 	y, err2 := strconv.ParseUint(xmin, 10, 32)
 	return err1 == nil && err2 == nil && uint32(x) == uint32(y)
 }
