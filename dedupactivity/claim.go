@@ -223,7 +223,7 @@ func (d *Deduper) sendClaim(ctx context.Context, tx *claimTx, q *pgx.QueuedQuery
 		if err == nil {
 			if look {
 				var found bool
-				found, err = readLook(br)
+				found, err = readLook(br, tx.m)
 				ok = !found
 			} else {
 				ok, err = d.store.readClaim(br, tx.m)

@@ -52,7 +52,7 @@ func New(pool *pgxpool.Pool, opts Options) (*Deduper, error) {
 	pc := pool.Config()
 	d := &Deduper{pool: pool, opts: opts, tel: tel,
 		queryMode: pc.ConnConfig.DefaultQueryExecMode, perConnMode: pc.BeforeConnect != nil}
-	d.store = newStore(d.qualify(opts.Table), d.qualify(opts.Table+"_ended"), opts.PartitionInterval > 0, d.qualify(opts.Table+"_default"))
+	d.store = newStore(d.qualify(opts.Table), d.qualify(opts.Table+"_ended"), d.qualify(opts.Table+"_moved"), opts.PartitionInterval > 0, d.qualify(opts.Table+"_default"))
 	if err := tel.observeOldest(d); err != nil {
 		return nil, fmt.Errorf("dedupactivity: telemetry: %w", err)
 	}

@@ -61,6 +61,16 @@ var (
 	// workflow's next call), not by Temporal's retries.
 	ErrTxEnded = errors.New("dedupactivity: the effect ended the claim transaction")
 
+	// ErrSearchPathChanged is returned when the marker table's name, after
+	// the effect ran, named another table than at the claim: the effect
+	// changed search_path (SET LOCAL search_path, a schema per tenant) and
+	// Options.Schema is empty, so the name is unqualified. Nothing of the
+	// attempt is committed; set Options.Schema. At the activity edge it
+	// becomes a non-retryable ApplicationError of type ErrTypeInvalidUsage.
+	// (A marker table dropped and made again while the attempt ran reads
+	// the same.)
+	ErrSearchPathChanged = errors.New("dedupactivity: the marker table's name resolved to another table after the effect ran (it changed search_path): set Options.Schema")
+
 	// ErrReadOnly is returned when the claim's transaction is read-only
 	// (default_transaction_read_only, or a standby server): claiming writes
 	// the marker. It stays retryable at the activity edge, since a
@@ -103,7 +113,8 @@ const (
 	// attempt of the same event (retryable).
 	ErrTypeClaimTimeout = "DedupClaimTimeout"
 	// ErrTypeInvalidUsage marks a call that can never succeed as made: not an
-	// activity context, an empty or too large identity, invalid options
+	// activity context, an empty or too large identity, invalid options, an
+	// effect that ends the claim's transaction or changes search_path
 	// (non-retryable).
 	ErrTypeInvalidUsage = "DedupInvalidUsage"
 	// ErrTypeResultTooLarge marks a result over Options.MaxResultBytes
@@ -137,6 +148,7 @@ var errorClasses = []struct {
 	{ErrInvalidOptions, ErrTypeInvalidUsage, true},
 	{ErrTxOwned, ErrTypeInvalidUsage, true},
 	{ErrTxEnded, ErrTypeInvalidUsage, true},
+	{ErrSearchPathChanged, ErrTypeInvalidUsage, true},
 	{ErrResultTooLarge, ErrTypeResultTooLarge, true},
 	{ErrEncoding, ErrTypeEncoding, true},
 	{ErrNotMigrated, errTypeNotMigrated, false},

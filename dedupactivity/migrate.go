@@ -65,8 +65,8 @@ const migrateLockKey int64 = 0x6465_6475_705f_6d69 // "dedup_mi"
 // set) if it is not there yet. It is safe to run from many workers at once
 // and after a migration tool applied the files of the migrations package:
 //
-//   - When the table has every column this version uses (and its function
-//     is there), Migrate only
+//   - When the table has every column this version uses (and its functions
+//     are there), Migrate only
 //     reads the catalog (one round trip, no lock, no CREATE privilege
 //     needed), so a least-privilege worker can call it at every start.
 //   - Otherwise it applies the migrations in one transaction under an
@@ -88,7 +88,7 @@ func (d *Deduper) Migrate(ctx context.Context) error {
 	var columns int
 	var hasFunc, hasVersions bool
 	var partitioned *bool // nil: no table yet
-	if err := d.pool.QueryRow(ctx, catalogSQL, d.store.table, markerColumns, versionTable, d.qualify(d.opts.Table+"_ended")+"()").Scan(&columns, &hasVersions, &hasFunc, &partitioned); err != nil {
+	if err := d.pool.QueryRow(ctx, catalogSQL, d.store.table, markerColumns, versionTable, d.functions()).Scan(&columns, &hasVersions, &hasFunc, &partitioned); err != nil {
 		return fmt.Errorf("dedupactivity: migrate: read catalog: %w", err)
 	}
 	if partitioned != nil && *partitioned != (d.opts.PartitionInterval > 0) {
@@ -118,6 +118,11 @@ func (d *Deduper) Migrate(ctx context.Context) error {
 		}
 	}
 	return nil
+}
+
+// functions are the marker table's functions, as regprocedure text.
+func (d *Deduper) functions() []string {
+	return []string{d.qualify(d.opts.Table+"_ended") + "()", d.qualify(d.opts.Table+"_moved") + "()"}
 }
 
 // createSchema creates Options.Schema (if set) unless it exists, in a

@@ -29,6 +29,7 @@ const (
 	stateUniqueViolation  = "23505"
 	stateDuplicateSchema  = "42P06"
 	stateTxEnded          = "DDUP2" // raised by the <table>_ended function
+	stateTableMoved       = "DDUP3" // raised by the <table>_moved function
 	// A partition bound overlapping another partition's, among others.
 	stateInvalidObjectDefinition = "42P17"
 	stateInsufficientPrivilege   = "42501"
@@ -36,6 +37,14 @@ const (
 
 // store holds the marker table's statements, with the table name filled in
 // once, and runs the protocol's round trips on a connection.
+//
+// The statements that run after the effect (insertLast, complete) are given
+// the table's OID as the claim's first statement (look or insert) found it,
+// and fail with SQLSTATE DDUP3, from the <table>_moved function, when the
+// name now resolves to another table. Without a Schema the name is
+// unqualified, and an effect that changed search_path would otherwise have
+// the marker, or its result, written to another schema's marker table,
+// where the next delivery does not look: the event could be applied twice.
 type store struct {
 	table       string // quoted and schema-qualified
 	partitioned bool
@@ -47,10 +56,10 @@ type store struct {
 	// that inserted the same key (if that one commits, this one inserts
 	// nothing: a duplicate; if it rolls back, this one inserts); and in
 	// RETURNING, evaluated only for an inserted row, puts the saved
-	// lock_timeout back and returns the new row's ctid and the top-level
-	// transaction's ID. When nothing is inserted the claim's lock_timeout
-	// stays until the transaction ends: restoreLockTimeout puts it back for
-	// a caller that goes on.
+	// lock_timeout back and returns the new row's ctid, the top-level
+	// transaction's ID and the table's OID. When nothing is inserted the
+	// claim's lock_timeout stays until the transaction ends:
+	// restoreLockTimeout puts it back for a caller that goes on.
 	insert             string
 	restoreLockTimeout string
 	// insertLast inserts the whole marker, result included, just before
@@ -59,24 +68,27 @@ type store struct {
 	// a concurrent transaction that inserted the same key; if that one
 	// commits, the insert fails (unique_violation): a duplicate, and the
 	// COMMIT behind it commits nothing. Nothing follows but COMMIT, so the
-	// lock_timeout is not put back.
+	// lock_timeout is not put back. It inserts only into the table the look
+	// read (see store).
 	insertLast string
 	// complete stores the result in the marker, found by its ctid, after
-	// guard has checked that the transaction is still the claim's.
+	// checking, as guard does, that the transaction is still the claim's,
+	// and that the table is (see store). The checks are an uncorrelated
+	// subquery, so a one-time filter that runs whether or not the marker
+	// row is found.
 	complete string
 	// guard fails (SQLSTATE DDUP2, from the <table>_ended function) when the
 	// top-level transaction is no longer the claim's: the effect ended it
 	// and began another. Queued before COMMIT, it keeps that COMMIT from
-	// committing anything. In complete it is an uncorrelated subquery, so a
-	// one-time filter that runs whether or not the marker row is found.
+	// committing anything.
 	guard string
 	// read returns a committed marker.
 	read string
 	// look is read for a claim that goes as a look (see claimTx): one row,
 	// saying whether a marker is committed (a duplicate reads it with its
-	// rollback, as any duplicate) and whether the transaction is read-only
+	// rollback, as any duplicate), whether the transaction is read-only
 	// (the marker goes in at COMMIT, after the effect's writes have failed
-	// on that).
+	// on that), and the table's OID.
 	look string
 	// exists says whether a marker is committed.
 	exists string
@@ -92,15 +104,18 @@ type store struct {
 	prune string
 }
 
-func newStore(table, ended string, partitioned bool, defaultPartition string) *store {
+func newStore(table, ended, moved string, partitioned bool, defaultPartition string) *store {
 	keyCol, keyVal, completeCond, readCond, lookCond, pruned := ``, ``, ``, ``, ``, table
+	lastOID, completeOID := `$8`, `$4` // the parameter of the claim's table OID
 	if partitioned {
 		keyCol, keyVal, pruned = `, scheduled_at`, `, $8::timestamptz`, defaultPartition
 		completeCond, readCond, lookCond = ` AND scheduled_at = $4`, ` AND scheduled_at = $2`, ` AND m.scheduled_at = $2`
+		lastOID, completeOID = `$9`, `$5`
 	}
-	guard := func(param string) string {
-		return `SELECT CASE WHEN pg_current_xact_id() = ` + param + `::text::xid8 THEN true ELSE ` + ended + `() END`
-	}
+	// self is the OID of the table the name resolves to, under the
+	// statement's search_path (a prepared statement is planned again when
+	// search_path changes). Table names hold no quote.
+	self := `'` + table + `'::regclass::oid`
 	return &store{
 		table:       table,
 		partitioned: partitioned,
@@ -109,18 +124,22 @@ SELECT $1::bytea, $2::int4, $3::timestamptz, $4::text, $5::bytea, $6::bytea` + k
 FROM (SELECT set_config('dedupactivity.lock_timeout', current_setting('lock_timeout'), true),
 	set_config('lock_timeout', $7, true)) AS claim_wait
 ON CONFLICT DO NOTHING
-RETURNING ctid, pg_current_xact_id()::text, set_config('lock_timeout', current_setting('dedupactivity.lock_timeout'), true)`,
+RETURNING ctid, pg_current_xact_id()::text, set_config('lock_timeout', current_setting('dedupactivity.lock_timeout'), true), ` + self,
 		insertLast: `INSERT INTO ` + table + ` (id_hash, attempt, expires_at, activity_type, fingerprint, result` + keyCol + `)
 SELECT $1::bytea, $2::int4, $3::timestamptz, $4::text, $5::bytea, $6::bytea` + keyVal + `
-FROM (SELECT set_config('lock_timeout', $7, true)) AS claim_wait`,
+FROM (SELECT set_config('lock_timeout', $7, true)) AS claim_wait
+WHERE (SELECT CASE WHEN ` + self + ` = ` + lastOID + `::oid THEN true ELSE ` + moved + `() END)`,
 		restoreLockTimeout: `SELECT set_config('lock_timeout', current_setting('dedupactivity.lock_timeout'), true)`,
-		complete:           `UPDATE ` + table + ` SET result = $2 WHERE ctid = $1` + completeCond + ` AND (` + guard("$3") + `)`,
-		guard:              guard("$1"),
+		complete: `UPDATE ` + table + ` SET result = $2 WHERE ctid = $1` + completeCond + ` AND (SELECT CASE
+	WHEN pg_current_xact_id() <> $3::text::xid8 THEN ` + ended + `()
+	WHEN ` + self + ` <> ` + completeOID + `::oid THEN ` + moved + `()
+	ELSE true END)`,
+		guard: `SELECT CASE WHEN pg_current_xact_id() = $1::text::xid8 THEN true ELSE ` + ended + `() END`,
 		// bytea read as hex text: pgx decodes bytea text only in the hex
 		// output format, and the simple protocol reads text whatever
 		// bytea_output says.
 		read: `SELECT encode(fingerprint, 'hex'), encode(result, 'hex'), attempt, xmin::text FROM ` + table + ` WHERE id_hash = $1` + readCond,
-		look: `SELECT m.id_hash IS NOT NULL, current_setting('transaction_read_only') = 'on'
+		look: `SELECT m.id_hash IS NOT NULL, current_setting('transaction_read_only') = 'on', ` + self + `
 FROM (SELECT) AS one LEFT JOIN ` + table + ` AS m ON m.id_hash = $1` + lookCond,
 		exists: `SELECT EXISTS (SELECT 1 FROM ` + table + ` WHERE id_hash = $1)`,
 		result: `SELECT encode(result, 'hex') FROM ` + table + ` WHERE id_hash = $1 LIMIT 1`,
@@ -134,13 +153,13 @@ FROM (SELECT) AS one LEFT JOIN ` + table + ` AS m ON m.id_hash = $1` + lookCond,
 // Migrations (migrate.go).
 const (
 	// catalogSQL counts which of the columns $2 the table $1 has, says
-	// whether the version table $3 exists and can be read, whether the
+	// whether the version table $3 exists and can be read, whether every
 	// function $4 exists, and whether $1 is a partitioned table (NULL when
 	// there is no table $1).
 	catalogSQL = `SELECT
 	(SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = ANY($2) AND NOT attisdropped),
 	(SELECT coalesce(has_table_privilege(to_regclass($3), 'SELECT'), false)),
-	(SELECT to_regprocedure($4) IS NOT NULL),
+	(SELECT bool_and(to_regprocedure(f) IS NOT NULL) FROM unnest($4::text[]) AS f),
 	(SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($1))`
 	advisoryXactLockSQL = `SELECT pg_advisory_xact_lock($1)`
 	// currentXactSQL is the transaction's ID, or NULL if it has written
@@ -218,6 +237,7 @@ type marker struct {
 	scheduledAt  time.Time
 	ctid         pgtype.TID // of the inserted row, once claimed
 	xact         string     // the claim's top-level transaction ID, once claimed
+	table        uint32     // the marker table's OID, as the claim's first statement found it
 }
 
 // queueClaim queues the claim on b; readClaim reads it.
@@ -227,7 +247,7 @@ func (s *store) queueClaim(b *pgx.Batch, m *marker, wait time.Duration) {
 
 // queueInsertLast queues the insert of the whole marker m, for COMMIT.
 func (s *store) queueInsertLast(b *pgx.Batch, m *marker, wait time.Duration) {
-	b.Queue(s.insertLast, s.markerArgs(m, wait)...)
+	b.Queue(s.insertLast, append(s.markerArgs(m, wait), m.table)...)
 }
 
 func (s *store) markerArgs(m *marker, wait time.Duration) []any {
@@ -257,13 +277,23 @@ func sameXact(xact, xmin string) bool {
 
 // readClaim reads what queueClaim queued. claimed is false when the marker
 // was already committed (a duplicate); when true, m.ctid and m.xact are the
-// new row's and its transaction's.
+// new row's and its transaction's, and m.table its table's. A key inserted
+// into another table than the look read (the effect changed search_path
+// between the two) is ErrSearchPathChanged.
 func (s *store) readClaim(br pgx.BatchResults, m *marker) (claimed bool, err error) {
-	err = br.QueryRow().Scan(&m.ctid, &m.xact, nil)
+	var table uint32
+	err = br.QueryRow().Scan(&m.ctid, &m.xact, nil, &table)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return false, nil
 	}
-	return err == nil, err
+	if err != nil {
+		return false, err
+	}
+	if m.table != 0 && table != m.table {
+		return false, fmt.Errorf("%w: the marker's key went to table OID %d, the look read %d", ErrSearchPathChanged, table, m.table)
+	}
+	m.table = table
+	return true, nil
 }
 
 // queueComplete queues the result update (or, when results are discarded,
@@ -274,7 +304,7 @@ func (s *store) queueComplete(b *pgx.Batch, m *marker, storeResult bool) {
 		b.Queue(s.guard, m.xact)
 		return
 	}
-	b.Queue(s.complete, s.withKey(m, m.ctid, m.result, m.xact)...)
+	b.Queue(s.complete, append(s.withKey(m, m.ctid, m.result, m.xact), m.table)...)
 }
 
 func readComplete(br pgx.BatchResults) (bool, error) {
@@ -313,15 +343,15 @@ func readStored(br pgx.BatchResults) (st stored, found bool, err error) {
 	return st, true, nil
 }
 
-// queueLook queues the look for m's committed marker; readLook reads it. A
-// read-only transaction is ErrReadOnly.
+// queueLook queues the look for m's committed marker; readLook reads it,
+// and the table's OID into m.table. A read-only transaction is ErrReadOnly.
 func (s *store) queueLook(b *pgx.Batch, m *marker) {
 	b.Queue(s.look, s.withKey(m, m.hash)...)
 }
 
-func readLook(br pgx.BatchResults) (found bool, err error) {
+func readLook(br pgx.BatchResults, m *marker) (found bool, err error) {
 	var readOnly bool
-	if err := br.QueryRow().Scan(&found, &readOnly); err != nil {
+	if err := br.QueryRow().Scan(&found, &readOnly, &m.table); err != nil {
 		return false, err
 	}
 	if readOnly {
@@ -362,6 +392,8 @@ func interpretError(err error, inClaim bool) error {
 		return fmt.Errorf("%w: %w", ErrReadOnly, err)
 	case state == stateTxEnded:
 		return fmt.Errorf("%w: %w", ErrTxEnded, err)
+	case state == stateTableMoved:
+		return fmt.Errorf("%w: %w", ErrSearchPathChanged, err)
 	}
 	return err
 }

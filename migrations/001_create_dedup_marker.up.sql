@@ -43,3 +43,17 @@ BEGIN
         MESSAGE = 'dedupactivity: the effect ended the claim''s transaction and began another';
 END
 $$;
+
+-- Called by the claim only when the marker table's name, after the effect
+-- ran, resolves to another table than at the claim's start: the effect
+-- changed search_path (SET LOCAL search_path, a schema per tenant) while
+-- the Deduper names the table without its schema. It fails the
+-- transaction, so the marker cannot go to another schema's table (see
+-- dedupactivity/store.go).
+CREATE OR REPLACE FUNCTION "dedup_marker_moved"() RETURNS boolean
+LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION USING ERRCODE = 'DDUP3',
+        MESSAGE = 'dedupactivity: the marker table''s name now resolves to another table than at the claim: the effect changed search_path (set Options.Schema)';
+END
+$$;

@@ -82,7 +82,17 @@ SELECT $1::bytea, $2::int4, $3::timestamptz, $4::text, $5::bytea, $6::bytea
 FROM (SELECT set_config('dedupactivity.lock_timeout', current_setting('lock_timeout'), true),
 	set_config('lock_timeout', $7, true)) AS claim_wait
 ON CONFLICT DO NOTHING
-RETURNING ctid, pg_current_xact_id()::text, set_config('lock_timeout', current_setting('dedupactivity.lock_timeout'), true)`
+RETURNING ctid, pg_current_xact_id()::text, set_config('lock_timeout', current_setting('dedupactivity.lock_timeout'), true), ` + self(table)
+}
+
+// self is the OID of table, which the statements after the effect compare
+// with the claim's (dedupactivity/store.go).
+func self(table string) string { return `'` + table + `'::regclass::oid` }
+
+// sameTable fails the statement when table names another table than oid $n
+// (dedupactivity/store.go).
+func sameTable(table, n string) string {
+	return `(SELECT CASE WHEN ` + self(table) + ` = ` + n + `::oid THEN true ELSE "dedup_marker_moved"() END)`
 }
 
 // byHandOn issues dedupactivity's claim SQL (the statements of
@@ -105,7 +115,7 @@ func (b *bench) byHandOn(ctx context.Context, table string, claimWait bool, key 
 		batch.Queue(`INSERT INTO `+table+` (id_hash, attempt, expires_at, activity_type, fingerprint, result)
 VALUES ($1, $2, $3, $4, $5, $6)
 ON CONFLICT DO NOTHING
-RETURNING ctid, NULL::text, NULL::text`, h[:], int32(1), time.Now().Add(30*24*time.Hour), "Post", nil, nil)
+RETURNING ctid, NULL::text, NULL::text, `+self(table), h[:], int32(1), time.Now().Add(30*24*time.Hour), "Post", nil, nil)
 	}
 	br := conn.SendBatch(ctx, batch)
 	tx := br.Tx()
@@ -113,7 +123,8 @@ RETURNING ctid, NULL::text, NULL::text`, h[:], int32(1), time.Now().Add(30*24*ti
 		return false, errors.Join(err, br.Close())
 	}
 	var ctid pgtype.TID
-	if err := br.QueryRow().Scan(&ctid, nil, nil); errors.Is(err, pgx.ErrNoRows) {
+	var oid uint32
+	if err := br.QueryRow().Scan(&ctid, nil, nil, &oid); errors.Is(err, pgx.ErrNoRows) {
 		_ = br.Close()
 		return true, tx.Rollback(ctx) // a duplicate
 	} else if err != nil {
@@ -128,7 +139,7 @@ RETURNING ctid, NULL::text, NULL::text`, h[:], int32(1), time.Now().Add(30*24*ti
 		return false, err
 	}
 	batch = &pgx.Batch{}
-	batch.Queue(`UPDATE `+table+` SET result = $2 WHERE ctid = $1 AND xmin = pg_current_xact_id()::xid`, ctid, encode(r))
+	batch.Queue(`UPDATE `+table+` SET result = $2 WHERE ctid = $1 AND xmin = pg_current_xact_id()::xid AND `+sameTable(table, "$3"), ctid, encode(r), oid)
 	batch.Queue("COMMIT")
 	return false, conn.SendBatch(ctx, batch).Close()
 }
@@ -181,7 +192,7 @@ func (b *bench) byHandOf(ctx context.Context, table string, look bool, key strin
 	}
 	defer conn.Release()
 	if look {
-		batch.Queue(`SELECT m.id_hash IS NOT NULL, current_setting('transaction_read_only') = 'on'
+		batch.Queue(`SELECT m.id_hash IS NOT NULL, current_setting('transaction_read_only') = 'on', `+self(table)+`
 FROM (SELECT) AS one LEFT JOIN `+table+` AS m ON m.id_hash = $1`, h[:])
 	}
 	var r receipt
@@ -192,8 +203,9 @@ FROM (SELECT) AS one LEFT JOIN `+table+` AS m ON m.id_hash = $1`, h[:])
 		return false, errors.Join(err, br.Close())
 	}
 	var found bool
+	var oid uint32
 	if look {
-		if err := br.QueryRow().Scan(&found, nil); err != nil {
+		if err := br.QueryRow().Scan(&found, nil, &oid); err != nil {
 			return false, errors.Join(err, br.Close())
 		}
 	}
@@ -211,11 +223,16 @@ FROM (SELECT) AS one LEFT JOIN `+table+` AS m ON m.id_hash = $1`, h[:])
 		_ = tx.Rollback(ctx)
 		return false, err
 	}
-	batch = &pgx.Batch{}
-	batch.Queue(`INSERT INTO `+table+` (id_hash, attempt, expires_at, activity_type, fingerprint, result)
+	insert := `INSERT INTO ` + table + ` (id_hash, attempt, expires_at, activity_type, fingerprint, result)
 SELECT $1::bytea, $2::int4, $3::timestamptz, $4::text, $5::bytea, $6::bytea
-FROM (SELECT set_config('lock_timeout', $7, true)) AS claim_wait`,
-		h[:], int32(1), time.Now().Add(30*24*time.Hour), "Post", nil, encode(r), "30000ms")
+FROM (SELECT set_config('lock_timeout', $7, true)) AS claim_wait`
+	args := []any{h[:], int32(1), time.Now().Add(30 * 24 * time.Hour), "Post", nil, encode(r), "30000ms"}
+	if look { // the table the look read
+		insert += "\nWHERE " + sameTable(table, "$8")
+		args = append(args, oid)
+	}
+	batch = &pgx.Batch{}
+	batch.Queue(insert, args...)
 	batch.Queue("COMMIT")
 	err = conn.SendBatch(ctx, batch).Close()
 	if sqlState(err) == "23505" {
