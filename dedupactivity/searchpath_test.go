@@ -127,6 +127,27 @@ func TestEffectChangingSearchPath(t *testing.T) {
 				})
 			}
 
+			if layout.opts.PartitionInterval == 0 {
+				// In the caller's own transaction: Complete checks the table.
+				t.Run("ClaimTx", func(t *testing.T) {
+					_, err := b.pool.Exec(ctx, `DELETE FROM `+mine+`.dedup_marker`)
+					require.NoError(t, err)
+					id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "claimtx"}
+					tx, err := b.pool.Begin(ctx)
+					require.NoError(t, err)
+					defer func() { _ = tx.Rollback(ctx) }()
+					c, err := dedupactivity.ClaimTx[int](ctx, b.d, tx, id, 1)
+					require.NoError(t, err)
+					require.Equal(t, dedupactivity.OutcomeClaimed, c.Outcome())
+					require.NoError(t, withArgs(theirs)(ctx, tx))
+					require.ErrorIs(t, c.Complete(ctx, 1), dedupactivity.ErrSearchPathChanged)
+					require.NoError(t, tx.Rollback(ctx))
+					var result []byte
+					require.NoError(t, b.pool.QueryRow(ctx, `SELECT result FROM `+theirs+`.dedup_marker`).Scan(&result))
+					require.Equal(t, []byte{7}, result, "the other table's marker is untouched")
+				})
+			}
+
 			// A path that finds no marker table fails the marker's statement:
 			// ErrNotMigrated, and nothing commits.
 			t.Run("NoTable", func(t *testing.T) {
