@@ -30,11 +30,12 @@
 // Keys are kept as long as the markers' retention (dedupactivity
 // Options.Retention, default 30 days); Deduper.Prune removes them.
 //
+// Keys are one per Scope, whoever sends them, unless Options.Caller names
+// the client each request comes from: then, as Stripe keeps keys per
+// account, each caller has keys of its own, and one caller never gets
+// another's stored answer.
+//
 // Limits:
-//   - A key is one per Scope, not per caller: two clients sending the same
-//     key with the same method, path and body get one answer, the first's.
-//     Where clients are distinct (accounts, API keys), have them make keys
-//     that cannot collide, or give each its own Scope.
 //   - The response is buffered and stored with the marker: a body above
 //     about 1.5 MiB (Dedup.MaxResultBytes, 2 MiB by default, holds it
 //     base64-encoded) fails with 500 and rolls back. Streaming (Flusher,
@@ -60,6 +61,7 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"strconv"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -84,8 +86,14 @@ const ReplayedHeader = "Idempotent-Replayed"
 
 // Namespace is the identity namespace of every key (the Scope is the
 // identity's activity type), so keys never collide with activity markers
-// in a shared table.
+// in a shared table. Keys of a Middleware with Options.Caller are in
+// CallerNamespace instead.
 const Namespace = "idemhttp"
+
+// CallerNamespace is the identity namespace of the keys of a Middleware
+// with Options.Caller: apart from Namespace, so no key sent to a Middleware
+// without a Caller reads as a caller's.
+const CallerNamespace = "idemhttp.caller"
 
 // Options configure a Middleware. The zero value is valid.
 type Options struct {
@@ -107,6 +115,16 @@ type Options struct {
 	//
 	// Defaults to DefaultScope ("http").
 	Scope string
+
+	// Caller names the client a request comes from (the account or API key
+	// your authentication found): each caller's keys are its own, so the
+	// same key from two callers is two requests, each applied once and
+	// replayed only to its caller. It is called once for every request
+	// with a key (and by StatusHandler), so put the middleware behind your
+	// authentication. An empty name is one more caller: the unnamed.
+	//
+	// Defaults to nil: a key is one per Scope, whoever sends it.
+	Caller func(r *http.Request) string
 
 	// KeyHeader is the request header carrying the key.
 	//
@@ -220,8 +238,23 @@ func (e serverError) Error() string {
 	return fmt.Sprintf("idemhttp: handler answered %d", e.rec.status)
 }
 
-func (m *Middleware) identity(key string) dedupactivity.Identity {
-	return dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, Namespace: Namespace, ActivityType: m.opts.Scope, Key: key}
+// identity is the event identity of key sent by caller (see Options.Caller).
+func (m *Middleware) identity(caller, key string) dedupactivity.Identity {
+	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, Namespace: Namespace, ActivityType: m.opts.Scope, Key: key}
+	if m.opts.Caller != nil {
+		// The caller's length first, so no other caller and key read the
+		// same.
+		id.Namespace, id.Key = CallerNamespace, strconv.Itoa(len(caller))+":"+caller+key
+	}
+	return id
+}
+
+// caller is the caller of r, or "" without Options.Caller.
+func (m *Middleware) caller(r *http.Request) string {
+	if m.opts.Caller == nil {
+		return ""
+	}
+	return m.opts.Caller(r)
 }
 
 // Handler wraps next.
@@ -253,7 +286,7 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 		in := request{Method: r.Method, Path: r.URL.RequestURI(), Body: hex.EncodeToString(sum[:])}
 
 		var first *recorder
-		resp, outcome, err := dedupactivity.Do(r.Context(), m.d, m.identity(key), in,
+		resp, outcome, err := dedupactivity.Do(r.Context(), m.d, m.identity(m.caller(r), key), in,
 			func(ctx context.Context, tx pgx.Tx, _ request) (response, error) {
 				rec := &recorder{header: http.Header{}}
 				r2 := r.WithContext(context.WithValue(ctx, txKey{}, tx))
@@ -297,10 +330,24 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 // matches outbox.ErrRejected. Keys are known until their retention ends.
 // The stored response is decoded to read its status, so Applied fails
 // (the reconciler reports the message as unknown) if the data converter can
-// no longer decode it.
+// no longer decode it. With Options.Caller, use AppliedFor: Applied then
+// fails with dedupactivity.ErrInvalidOptions.
 func (m *Middleware) Applied(ctx context.Context, key string) (bool, error) {
+	if m.opts.Caller != nil {
+		return false, fmt.Errorf("%w: Options.Caller is set, so keys are per caller: use AppliedFor", dedupactivity.ErrInvalidOptions)
+	}
+	return m.applied(ctx, "", key)
+}
+
+// AppliedFor is Applied for the key sent by caller, for a Middleware with
+// Options.Caller (without it, caller is ignored: keys are shared).
+func (m *Middleware) AppliedFor(ctx context.Context, caller, key string) (bool, error) {
+	return m.applied(ctx, caller, key)
+}
+
+func (m *Middleware) applied(ctx context.Context, caller, key string) (bool, error) {
 	var r response
-	ok, err := m.d.Result(ctx, m.identity(key), &r)
+	ok, err := m.d.Result(ctx, m.identity(caller, key), &r)
 	if err != nil {
 		return false, fmt.Errorf("idemhttp: %w", err)
 	}
@@ -330,7 +377,8 @@ func (e *RejectedError) Is(target error) bool { return target == outbox.ErrRejec
 // query parameter "key". It answers 200 {"applied":true} when applied, 404
 // {"applied":false} when not, 409 {"applied":false,"status":N} when the
 // request was refused for good with the 3xx or 4xx status N, and 500 when
-// it cannot tell. outbox.HTTPChecker reads it.
+// it cannot tell. With Options.Caller it answers about the asking caller's
+// key. outbox.HTTPChecker reads it.
 func (m *Middleware) StatusHandler() http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		key := r.PathValue("key")
@@ -341,7 +389,7 @@ func (m *Middleware) StatusHandler() http.Handler {
 			writeError(w, http.StatusBadRequest, "no key")
 			return
 		}
-		applied, err := m.Applied(r.Context(), key)
+		applied, err := m.applied(r.Context(), m.caller(r), key)
 		var rejected *RejectedError
 		switch {
 		case errors.As(err, &rejected):

@@ -341,6 +341,66 @@ func TestScopesSeparateKeys(t *testing.T) {
 	require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions)
 }
 
+// TestCallersHaveTheirOwnKeys: with Options.Caller, the same key from two
+// callers is two requests, each applied once and replayed only to its own
+// caller; StatusHandler and AppliedFor answer per caller; a Middleware
+// without a Caller on the same Scope and table does not see the callers'
+// keys.
+func TestCallersHaveTheirOwnKeys(t *testing.T) {
+	t.Parallel()
+	b := setup(t, idemhttp.Options{Caller: func(r *http.Request) string { return r.Header.Get("X-Account") }})
+	ctx := context.Background()
+	send := func(method, path, account, key, body string) reply {
+		req, err := http.NewRequest(method, b.srv.URL+path, strings.NewReader(body))
+		require.NoError(t, err)
+		req.Header.Set("X-Account", account)
+		if key != "" {
+			req.Header.Set("Idempotency-Key", key)
+		}
+		resp, err := b.srv.Client().Do(req)
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		got, err := io.ReadAll(resp.Body)
+		require.NoError(t, err)
+		return reply{resp.StatusCode, resp.Header, string(got)}
+	}
+
+	first := map[string]reply{}
+	// "a" with "bk" and "ab" with "k" join to the same text: still two keys.
+	for _, c := range []struct{ account, key string }{{"A", "k"}, {"B", "k"}, {"", "k"}, {"a", "bk"}, {"ab", "k"}} {
+		r := send(http.MethodPost, "/receipts", c.account, c.key, `{}`)
+		require.Equal(t, http.StatusCreated, r.status, c)
+		require.Empty(t, r.header.Get(idemhttp.ReplayedHeader), "%v: another caller's key is not a replay", c)
+		first[c.account+"/"+c.key] = r
+	}
+	require.Equal(t, 5, b.receipts(t))
+	for _, c := range []struct{ account, key string }{{"A", "k"}, {"B", "k"}, {"", "k"}, {"a", "bk"}, {"ab", "k"}} {
+		r := send(http.MethodPost, "/receipts", c.account, c.key, `{}`)
+		require.Equal(t, "true", r.header.Get(idemhttp.ReplayedHeader), c)
+		require.Equal(t, first[c.account+"/"+c.key].body, r.body, "%v: its own answer", c)
+	}
+	require.Equal(t, 5, b.receipts(t))
+
+	require.Equal(t, http.StatusOK, send(http.MethodGet, "/idempotency-keys/k", "A", "", "").status)
+	require.Equal(t, http.StatusNotFound, send(http.MethodGet, "/idempotency-keys/k", "C", "", "").status)
+	applied, err := b.m.AppliedFor(ctx, "B", "k")
+	require.NoError(t, err)
+	require.True(t, applied)
+	applied, err = b.m.AppliedFor(ctx, "C", "k")
+	require.NoError(t, err)
+	require.False(t, applied)
+	_, err = b.m.Applied(ctx, "k")
+	require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions, "keys are per caller")
+
+	shared, err := idemhttp.New(b.schema.Pool, idemhttp.Options{})
+	require.NoError(t, err)
+	for _, key := range []string{"k", "1:Ak"} { // "1:Ak": A's key k, spelled as a caller's key is joined
+		applied, err = shared.Applied(ctx, key)
+		require.NoError(t, err)
+		require.False(t, applied, "%s: a Middleware without a Caller has keys apart", key)
+	}
+}
+
 // TestEarlyHintsAreNotTheAnswer: a 1xx before the final status is not
 // stored as the answer: a 500 after a 103 rolls back and is not replayed,
 // and a 201 after a 103 is what is stored.
