@@ -310,6 +310,17 @@ func (d *Deduper) claimKey(ctx context.Context, tx *claimTx) (ok bool, err error
 	if err != nil {
 		return false, claimError(ctx, err)
 	}
+	if !ok {
+		// A committed key: in the look's table, or, if the effect changed
+		// search_path, in another.
+		var table uint32
+		if err := tx.conn.QueryRow(ctx, d.store.self).Scan(&table); err != nil {
+			return false, claimError(ctx, err)
+		}
+		if table != tx.m.table {
+			return false, fmt.Errorf("%w: the marker's key was found in table OID %d, the look read %d", ErrSearchPathChanged, table, tx.m.table)
+		}
+	}
 	return ok, nil
 }
 

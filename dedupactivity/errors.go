@@ -61,14 +61,18 @@ var (
 	// workflow's next call), not by Temporal's retries.
 	ErrTxEnded = errors.New("dedupactivity: the effect ended the claim transaction")
 
-	// ErrSearchPathChanged is returned when the marker table's name, after
-	// the effect ran, named another table than at the claim: the effect
-	// changed search_path (SET LOCAL search_path, a schema per tenant) and
-	// Options.Schema is empty, so the name is unqualified. Nothing of the
-	// attempt is committed; set Options.Schema. At the activity edge it
-	// becomes a non-retryable ApplicationError of type ErrTypeInvalidUsage.
-	// (A marker table dropped and made again while the attempt ran reads
-	// the same.)
+	// ErrSearchPathChanged is returned when a statement of the claim that
+	// runs after the effect's statements began (the marker's insert at
+	// COMMIT, the result's update, a key inserted mid-effect) finds another
+	// marker table by the table's name than the claim's first statement
+	// did: the effect changed search_path (SET LOCAL search_path, a schema
+	// per tenant) and Options.Schema is empty, so the name is unqualified.
+	// Nothing of the attempt is committed; set Options.Schema. At the
+	// activity edge it becomes a non-retryable ApplicationError of type
+	// ErrTypeInvalidUsage. (A marker table dropped and made again while the
+	// attempt ran reads the same.) The check raises through the table's
+	// <table>_moved function, found through the same search_path: a schema
+	// whose marker table lacks it fails as ErrNotMigrated instead.
 	ErrSearchPathChanged = errors.New("dedupactivity: the marker table's name resolved to another table after the effect ran (it changed search_path): set Options.Schema")
 
 	// ErrReadOnly is returned when the claim's transaction is read-only

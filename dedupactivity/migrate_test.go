@@ -58,9 +58,10 @@ func TestMigrateIsIdempotentAndConcurrent(t *testing.T) {
 	require.Equal(t, 2, idx, "primary key and expiry index")
 }
 
-// TestMigrateMakesAMissingFunction: a marker table whose functions are not
-// all there (one dropped by hand, or a table made before one was added) is
-// migrated again, so claims do not fail on the missing function.
+// TestMigrateMakesAMissingFunction: a claim whose statement names a missing
+// function of the marker table fails as ErrNotMigrated, and a table whose
+// functions are not all there (one dropped by hand, or made before one was
+// added) is migrated again.
 func TestMigrateMakesAMissingFunction(t *testing.T) {
 	t.Parallel()
 	for _, fn := range []string{"dedup_marker_ended", "dedup_marker_moved"} {
@@ -70,7 +71,13 @@ func TestMigrateMakesAMissingFunction(t *testing.T) {
 			ctx := context.Background()
 			_, err := b.pool.Exec(ctx, `DROP FUNCTION `+fn+`()`)
 			require.NoError(t, err)
+			id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "k"}
+			_, _, err = dedupactivity.Do(ctx, b.d, id, Transfer{Account: "a", Amount: 1}, b.post)
+			require.ErrorIs(t, err, dedupactivity.ErrNotMigrated, "its statement names the missing function")
+			require.Equal(t, int64(0), b.ledgerRows(t))
 			require.NoError(t, b.d.Migrate(ctx))
+			_, _, err = dedupactivity.Do(ctx, b.d, id, Transfer{Account: "a", Amount: 1}, b.post)
+			require.NoError(t, err)
 			require.Equal(t, int64(1), b.count(t, `SELECT count(*) FROM pg_proc WHERE proname = $1 AND pronamespace = $2::regnamespace`, fn, b.schema.Name))
 		})
 	}

@@ -66,8 +66,9 @@ type Options struct {
 	// Defaults to "": the table is unqualified and found through the
 	// search_path of each statement. Set it when effects change search_path
 	// in their transaction (SET LOCAL search_path, a schema per tenant):
-	// without it, an attempt whose effect made the table's name find
-	// another table fails with ErrSearchPathChanged, and nothing commits.
+	// without it, an attempt whose marker or result would go to another
+	// schema's marker table fails with ErrSearchPathChanged, and nothing
+	// commits.
 	Schema string
 
 	// Table is the marker table's name, a plain lower-case identifier

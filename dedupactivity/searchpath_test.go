@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	"go.temporal.io/sdk/temporal"
 
@@ -168,6 +169,49 @@ func TestEffectChangingSearchPath(t *testing.T) {
 			require.NoError(t, err)
 			require.Equal(t, ledger+1, count(mine+".ledger"))
 			require.Equal(t, int64(1), count(mine+".dedup_marker"))
+
+			// Under every exec mode (the simple protocol claims first).
+			t.Run("ExecModes", func(t *testing.T) {
+				for mode, em := range execModes {
+					_, err := b.pool.Exec(ctx, `DELETE FROM `+mine+`.dedup_marker`)
+					require.NoError(t, err)
+					ledger := count(mine + ".ledger")
+					cfg, err := pgxpool.ParseConfig(b.schema.URL)
+					require.NoError(t, err)
+					cfg.ConnConfig.DefaultQueryExecMode = em
+					pool, err := pgxpool.NewWithConfig(ctx, cfg)
+					require.NoError(t, err)
+					d, err := dedupactivity.New(pool, layout.opts)
+					require.NoError(t, err)
+					_, err = deliver(t, "Modes", dedupactivity.Wrap(d, effect(withArgs(theirs))), Transfer{Account: "a", Amount: 1})
+					require.ErrorIs(t, err, dedupactivity.ErrSearchPathChanged, mode)
+					require.Equal(t, ledger, count(mine+".ledger"), mode)
+					_, err = deliver(t, "Modes", dedupactivity.Wrap(d, effect(withArgs(mine))), Transfer{Account: "a", Amount: 1})
+					require.NoError(t, err, mode)
+					require.Equal(t, ledger+1, count(mine+".ledger"), mode)
+					pool.Close()
+				}
+			})
+
+			// The look, then a call without arguments whose key the other
+			// table holds already: no duplicate of this table's event.
+			t.Run("LookThenKeyFound", func(t *testing.T) {
+				_, err := b.pool.Exec(ctx, `INSERT INTO `+theirs+`.dedup_marker SELECT * FROM `+mine+`.dedup_marker`)
+				require.NoError(t, err)
+				_, err = b.pool.Exec(ctx, `DELETE FROM `+mine+`.dedup_marker`)
+				require.NoError(t, err)
+				ledger := count(mine + ".ledger")
+				_, err = deliver(t, "Found", dedupactivity.Wrap(b.d, effect(func(ctx context.Context, tx pgx.Tx) error {
+					if err := withArgs(theirs)(ctx, tx); err != nil {
+						return err
+					}
+					_, err := tx.Exec(ctx, `SELECT 1`)
+					return err
+				})), Transfer{Account: "a", Amount: 1})
+				require.ErrorIs(t, err, dedupactivity.ErrSearchPathChanged)
+				require.Equal(t, ledger, count(mine+".ledger"))
+				require.Equal(t, int64(0), count(mine+".dedup_marker"))
+			})
 		})
 	}
 }

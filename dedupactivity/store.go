@@ -21,6 +21,7 @@ import (
 // SQLSTATEs this package names.
 const (
 	stateUndefinedTable   = "42P01"
+	stateUndefinedFunc    = "42883" // only this package's functions can be missing in its statements
 	stateLockNotAvailable = "55P03" // lock_timeout expired
 	stateQueryCanceled    = "57014" // statement_timeout (or a cancel request)
 	stateReadOnlySQLTx    = "25006" // default_transaction_read_only, or a standby
@@ -90,6 +91,8 @@ type store struct {
 	// (the marker goes in at COMMIT, after the effect's writes have failed
 	// on that), and the table's OID.
 	look string
+	// self is the OID of the table its name finds now.
+	self string
 	// exists says whether a marker is committed.
 	exists string
 	// result returns a committed marker's result, found by id_hash alone
@@ -141,6 +144,7 @@ WHERE (SELECT CASE WHEN ` + self + ` = ` + lastOID + `::oid THEN true ELSE ` + m
 		read: `SELECT encode(fingerprint, 'hex'), encode(result, 'hex'), attempt, xmin::text FROM ` + table + ` WHERE id_hash = $1` + readCond,
 		look: `SELECT m.id_hash IS NOT NULL, current_setting('transaction_read_only') = 'on', ` + self + `
 FROM (SELECT) AS one LEFT JOIN ` + table + ` AS m ON m.id_hash = $1` + lookCond,
+		self:   `SELECT ` + self,
 		exists: `SELECT EXISTS (SELECT 1 FROM ` + table + ` WHERE id_hash = $1)`,
 		result: `SELECT encode(result, 'hex') FROM ` + table + ` WHERE id_hash = $1 LIMIT 1`,
 		oldest: `SELECT extract(epoch FROM now() - claimed_at)::float8 FROM ` + table + ` ORDER BY expires_at LIMIT 1`,
@@ -382,7 +386,7 @@ func decodeHex(s *string) ([]byte, error) {
 // wait ran into statement_timeout.
 func interpretError(err error, inClaim bool) error {
 	switch state := sqlState(err); {
-	case state == stateUndefinedTable:
+	case state == stateUndefinedTable, state == stateUndefinedFunc:
 		return fmt.Errorf("%w: %w", ErrNotMigrated, err)
 	case state == stateLockNotAvailable && inClaim:
 		return fmt.Errorf("%w: %w", ErrClaimTimeout, err)

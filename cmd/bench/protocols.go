@@ -90,7 +90,8 @@ RETURNING ctid, pg_current_xact_id()::text, set_config('lock_timeout', current_s
 func self(table string) string { return `'` + table + `'::regclass::oid` }
 
 // sameTable fails the statement when table names another table than oid $n
-// (dedupactivity/store.go).
+// (dedupactivity/store.go), through dedup_marker's function (dedup_noidx is
+// a copy of dedup_marker's table alone).
 func sameTable(table, n string) string {
 	return `(SELECT CASE WHEN ` + self(table) + ` = ` + n + `::oid THEN true ELSE "dedup_marker_moved"() END)`
 }
