@@ -49,7 +49,7 @@ GRANT USAGE ON SEQUENCE %[1]s.ledger_id_seq TO %[2]s;`)
 // TestLeastPrivilegeRolePartitionedLayout: in the partitioned layout, a
 // role that may claim but does not own the table still migrates (an
 // up-to-date table) when a partition ahead is missing: making partitions is
-// left to the owner's pruner.
+// left to the owner's pruner, and claims.
 func TestLeastPrivilegeRolePartitionedLayout(t *testing.T) {
 	t.Parallel()
 	opts := dedupactivity.Options{PartitionInterval: time.Hour, Retention: time.Hour}
@@ -60,12 +60,22 @@ func TestLeastPrivilegeRolePartitionedLayout(t *testing.T) {
 WHERE i.inhparent = 'dedup_marker'::regclass AND c.relname <> 'dedup_marker_default'`).Scan(&last))
 	_, err := b.pool.Exec(ctx, `DROP TABLE `+last)
 	require.NoError(t, err)
-	pool := leastPrivilegePool(t, b, "rp_", "")
+	pool := leastPrivilegePool(t, b, "rp_", `
+GRANT SELECT, INSERT, UPDATE ON %[1]s.ledger, %[1]s.account TO %[2]s;
+GRANT USAGE ON SEQUENCE %[1]s.ledger_id_seq TO %[2]s;`)
 	d, err := dedupactivity.New(pool, opts)
 	require.NoError(t, err)
 	require.NoError(t, d.Migrate(ctx))
 	require.NoError(t, b.d.Migrate(ctx), "the owner makes the missing partition")
 	require.Equal(t, int64(1), b.count(t, `SELECT count(*) FROM pg_class WHERE relname = $1 AND relnamespace = current_schema()::regnamespace`, last))
+
+	// A delivery claims through the parent table. (Each test environment
+	// schedules its activity anew, so a second delivery here would be
+	// another event in this layout, whose key holds the ScheduledTime.)
+	_, err = deliver(t, "Post", dedupactivity.Wrap(d, b.post), Transfer{Account: "a", Amount: 1})
+	require.NoError(t, err)
+	require.Equal(t, int64(1), b.ledgerRows(t))
+	require.Equal(t, int64(1), b.markers(t))
 }
 
 // leastPrivilegePool returns a pool of a new role (named prefix + the
