@@ -32,7 +32,7 @@
 //
 // Keys are one per Scope, whoever sends them, unless Options.Caller names
 // the client each request comes from: then, as Stripe keeps keys per
-// account, each caller has keys of its own, and one caller never gets
+// account, each caller has keys of its own, and a named caller never gets
 // another's stored answer.
 //
 // Limits:
@@ -44,6 +44,9 @@
 //   - A stored 3xx or 4xx commits the handler's writes too, while Applied
 //     reports the key refused: a handler should write only when it answers
 //     2xx.
+//   - Turning Options.Caller on, or a change in what it returns for a
+//     client, gives that client's keys new identities: a request sent again
+//     after the change is applied again.
 //
 // Middleware.Applied and Middleware.StatusHandler answer "did you apply key
 // K?" for an outbox Reconciler: applied (a stored 2xx), not applied (no
@@ -61,7 +64,6 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
-	"strconv"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -84,10 +86,9 @@ const (
 // ReplayedHeader is set to "true" on responses replayed from storage.
 const ReplayedHeader = "Idempotent-Replayed"
 
-// Namespace is the identity namespace of every key (the Scope is the
-// identity's activity type), so keys never collide with activity markers
-// in a shared table. Keys of a Middleware with Options.Caller are in
-// CallerNamespace instead.
+// Namespace is the identity namespace of the keys of a Middleware without
+// Options.Caller (the Scope is the identity's activity type), so keys never
+// collide with activity markers in a shared table.
 const Namespace = "idemhttp"
 
 // CallerNamespace is the identity namespace of the keys of a Middleware
@@ -116,12 +117,16 @@ type Options struct {
 	// Defaults to DefaultScope ("http").
 	Scope string
 
-	// Caller names the client a request comes from (the account or API key
-	// your authentication found): each caller's keys are its own, so the
-	// same key from two callers is two requests, each applied once and
-	// replayed only to its caller. It is called once for every request
-	// with a key (and by StatusHandler), so put the middleware behind your
-	// authentication. An empty name is one more caller: the unnamed.
+	// Caller names the client a request comes from, as your authentication
+	// found it: each caller's keys are its own, so the same key from two
+	// callers is two requests, each applied once and replayed only to its
+	// caller. Return what stays the same for a client (its account ID, not
+	// an API key it may rotate): a request sent again under another name
+	// is another request, applied again. It is called once for every
+	// request with a key (and by StatusHandler), so put the middleware
+	// behind your authentication. An empty name is one more caller, the
+	// unnamed, whose keys every unnamed request shares. Names of any length
+	// work: a key holds the name's SHA-256.
 	//
 	// Defaults to nil: a key is one per Scope, whoever sends it.
 	Caller func(r *http.Request) string
@@ -242,9 +247,9 @@ func (e serverError) Error() string {
 func (m *Middleware) identity(caller, key string) dedupactivity.Identity {
 	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, Namespace: Namespace, ActivityType: m.opts.Scope, Key: key}
 	if m.opts.Caller != nil {
-		// The caller's length first, so no other caller and key read the
-		// same.
-		id.Namespace, id.Key = CallerNamespace, strconv.Itoa(len(caller))+":"+caller+key
+		// A fixed-width prefix, so no other caller and key read the same.
+		sum := sha256.Sum256([]byte(caller))
+		id.Namespace, id.Key = CallerNamespace, hex.EncodeToString(sum[:])+key
 	}
 	return id
 }
@@ -346,13 +351,16 @@ func (m *Middleware) AppliedFor(ctx context.Context, caller, key string) (bool, 
 }
 
 func (m *Middleware) applied(ctx context.Context, caller, key string) (bool, error) {
+	if key == "" {
+		return false, fmt.Errorf("idemhttp: %w", dedupactivity.ErrEmptyBusinessKey)
+	}
 	var r response
 	ok, err := m.d.Result(ctx, m.identity(caller, key), &r)
 	if err != nil {
 		return false, fmt.Errorf("idemhttp: %w", err)
 	}
 	if ok && r.Status >= 300 {
-		return false, &RejectedError{Key: key, Status: r.Status}
+		return false, &RejectedError{Caller: caller, Key: key, Status: r.Status}
 	}
 	return ok, nil
 }
@@ -361,11 +369,15 @@ func (m *Middleware) applied(ctx context.Context, caller, key string) (bool, err
 // for good: its stored answer has a 3xx or 4xx status. It matches
 // outbox.ErrRejected.
 type RejectedError struct {
+	Caller string // with Options.Caller, the key's caller
 	Key    string
 	Status int
 }
 
 func (e *RejectedError) Error() string {
+	if e.Caller != "" {
+		return fmt.Sprintf("idemhttp: the request of caller %q with key %q was answered %d, not applied", e.Caller, e.Key, e.Status)
+	}
 	return fmt.Sprintf("idemhttp: the request with key %q was answered %d, not applied", e.Key, e.Status)
 }
 

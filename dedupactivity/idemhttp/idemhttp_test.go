@@ -3,6 +3,8 @@ package idemhttp_test
 import (
 	"bytes"
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"io"
 	"log/slog"
@@ -366,20 +368,22 @@ func TestCallersHaveTheirOwnKeys(t *testing.T) {
 	}
 
 	first := map[string]reply{}
-	// "a" with "bk" and "ab" with "k" join to the same text: still two keys.
-	for _, c := range []struct{ account, key string }{{"A", "k"}, {"B", "k"}, {"", "k"}, {"a", "bk"}, {"ab", "k"}} {
+	// Pairs whose caller and key join to the same text, with or without a
+	// separator, are still apart.
+	pairs := []struct{ account, key string }{{"A", "k"}, {"B", "k"}, {"", "k"}, {"a", "bk"}, {"ab", "k"}, {"a:", "b"}, {"a", ":b"}, {strings.Repeat("x", 100_000), "k"}}
+	for _, c := range pairs {
 		r := send(http.MethodPost, "/receipts", c.account, c.key, `{}`)
 		require.Equal(t, http.StatusCreated, r.status, c)
 		require.Empty(t, r.header.Get(idemhttp.ReplayedHeader), "%v: another caller's key is not a replay", c)
 		first[c.account+"/"+c.key] = r
 	}
-	require.Equal(t, 5, b.receipts(t))
-	for _, c := range []struct{ account, key string }{{"A", "k"}, {"B", "k"}, {"", "k"}, {"a", "bk"}, {"ab", "k"}} {
+	require.Equal(t, len(pairs), b.receipts(t))
+	for _, c := range pairs {
 		r := send(http.MethodPost, "/receipts", c.account, c.key, `{}`)
 		require.Equal(t, "true", r.header.Get(idemhttp.ReplayedHeader), c)
 		require.Equal(t, first[c.account+"/"+c.key].body, r.body, "%v: its own answer", c)
 	}
-	require.Equal(t, 5, b.receipts(t))
+	require.Equal(t, len(pairs), b.receipts(t))
 
 	require.Equal(t, http.StatusOK, send(http.MethodGet, "/idempotency-keys/k", "A", "", "").status)
 	require.Equal(t, http.StatusNotFound, send(http.MethodGet, "/idempotency-keys/k", "C", "", "").status)
@@ -391,10 +395,13 @@ func TestCallersHaveTheirOwnKeys(t *testing.T) {
 	require.False(t, applied)
 	_, err = b.m.Applied(ctx, "k")
 	require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions, "keys are per caller")
+	_, err = b.m.AppliedFor(ctx, "A", "")
+	require.ErrorIs(t, err, dedupactivity.ErrEmptyBusinessKey)
 
 	shared, err := idemhttp.New(b.schema.Pool, idemhttp.Options{})
 	require.NoError(t, err)
-	for _, key := range []string{"k", "1:Ak"} { // "1:Ak": A's key k, spelled as a caller's key is joined
+	sum := sha256.Sum256([]byte("A"))
+	for _, key := range []string{"k", hex.EncodeToString(sum[:]) + "k"} { // A's key k, spelled as a caller's key is joined
 		applied, err = shared.Applied(ctx, key)
 		require.NoError(t, err)
 		require.False(t, applied, "%s: a Middleware without a Caller has keys apart", key)
