@@ -94,23 +94,28 @@ type reply struct {
 
 func (b *testBundle) post(t *testing.T, path, key, body string) reply {
 	t.Helper()
-	req, err := http.NewRequest(http.MethodPost, b.srv.URL+path, strings.NewReader(body))
-	require.NoError(t, err)
+	h := http.Header{}
 	if key != "" {
-		req.Header.Set("Idempotency-Key", key)
+		h.Set("Idempotency-Key", key)
 	}
-	resp, err := b.srv.Client().Do(req)
-	require.NoError(t, err)
-	defer resp.Body.Close()
-	got, err := io.ReadAll(resp.Body)
-	require.NoError(t, err)
-	return reply{resp.StatusCode, resp.Header, string(got)}
+	return b.do(t, http.MethodPost, path, h, body)
 }
 
 // keyStatus asks StatusHandler about key.
 func (b *testBundle) keyStatus(t *testing.T, key string) reply {
 	t.Helper()
-	resp, err := b.srv.Client().Get(b.srv.URL + "/idempotency-keys/" + key)
+	return b.do(t, http.MethodGet, "/idempotency-keys/"+key, nil, "")
+}
+
+// do sends a request with headers h and returns the reply.
+func (b *testBundle) do(t *testing.T, method, path string, h http.Header, body string) reply {
+	t.Helper()
+	req, err := http.NewRequest(method, b.srv.URL+path, strings.NewReader(body))
+	require.NoError(t, err)
+	for k, v := range h {
+		req.Header[k] = v
+	}
+	resp, err := b.srv.Client().Do(req)
 	require.NoError(t, err)
 	defer resp.Body.Close()
 	got, err := io.ReadAll(resp.Body)
@@ -353,18 +358,11 @@ func TestCallersHaveTheirOwnKeys(t *testing.T) {
 	b := setup(t, idemhttp.Options{Caller: func(r *http.Request) string { return r.Header.Get("X-Account") }})
 	ctx := context.Background()
 	send := func(method, path, account, key, body string) reply {
-		req, err := http.NewRequest(method, b.srv.URL+path, strings.NewReader(body))
-		require.NoError(t, err)
-		req.Header.Set("X-Account", account)
+		h := http.Header{"X-Account": {account}}
 		if key != "" {
-			req.Header.Set("Idempotency-Key", key)
+			h.Set("Idempotency-Key", key)
 		}
-		resp, err := b.srv.Client().Do(req)
-		require.NoError(t, err)
-		defer resp.Body.Close()
-		got, err := io.ReadAll(resp.Body)
-		require.NoError(t, err)
-		return reply{resp.StatusCode, resp.Header, string(got)}
+		return b.do(t, method, path, h, body)
 	}
 
 	first := map[string]reply{}
