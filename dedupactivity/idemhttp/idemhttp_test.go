@@ -42,13 +42,7 @@ type testBundle struct {
 // the request's transaction and answers 201 with a Location.
 func setup(t *testing.T, opts idemhttp.Options) *testBundle {
 	t.Helper()
-	s := pgtest.NewSchema(t)
-	ctx := context.Background()
-	m, err := idemhttp.New(s.Pool, opts)
-	require.NoError(t, err)
-	require.NoError(t, m.Migrate(ctx))
-	_, err = s.Pool.Exec(ctx, `CREATE TABLE receipt (id bigserial PRIMARY KEY, body text NOT NULL)`)
-	require.NoError(t, err)
+	s, m := newMiddleware(t, opts)
 	b := &testBundle{schema: s, m: m, entered: make(chan struct{}, 16)}
 	mux := http.NewServeMux()
 	mux.Handle("POST /receipts", m.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -82,6 +76,20 @@ func setup(t *testing.T, opts idemhttp.Options) *testBundle {
 	b.srv = httptest.NewServer(mux)
 	t.Cleanup(b.srv.Close)
 	return b
+}
+
+// newMiddleware gives the test its own schema with a migrated Middleware
+// and a receipt table.
+func newMiddleware(t *testing.T, opts idemhttp.Options) (*pgtest.Schema, *idemhttp.Middleware) {
+	t.Helper()
+	s := pgtest.NewSchema(t)
+	ctx := context.Background()
+	m, err := idemhttp.New(s.Pool, opts)
+	require.NoError(t, err)
+	require.NoError(t, m.Migrate(ctx))
+	_, err = s.Pool.Exec(ctx, `CREATE TABLE receipt (id bigserial PRIMARY KEY, body text NOT NULL)`)
+	require.NoError(t, err)
+	return s, m
 }
 
 func itoa(n int64) string { return strconv.FormatInt(n, 10) }
@@ -411,13 +419,8 @@ func TestCallersHaveTheirOwnKeys(t *testing.T) {
 // and a 201 after a 103 is what is stored.
 func TestEarlyHintsAreNotTheAnswer(t *testing.T) {
 	t.Parallel()
-	s := pgtest.NewSchema(t)
+	s, m := newMiddleware(t, idemhttp.Options{})
 	ctx := context.Background()
-	m, err := idemhttp.New(s.Pool, idemhttp.Options{})
-	require.NoError(t, err)
-	require.NoError(t, m.Migrate(ctx))
-	_, err = s.Pool.Exec(ctx, `CREATE TABLE receipt (id bigserial PRIMARY KEY, body text NOT NULL)`)
-	require.NoError(t, err)
 	var final atomic.Int64
 	final.Store(http.StatusInternalServerError)
 	h := m.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
