@@ -341,16 +341,12 @@ func (m *Middleware) Applied(ctx context.Context, key string) (bool, error) {
 	if m.opts.Caller != nil {
 		return false, fmt.Errorf("%w: Options.Caller is set, so keys are per caller: use AppliedFor", dedupactivity.ErrInvalidOptions)
 	}
-	return m.applied(ctx, "", key)
+	return m.AppliedFor(ctx, "", key)
 }
 
 // AppliedFor is Applied for the key sent by caller, for a Middleware with
 // Options.Caller (without it, caller is ignored: keys are shared).
 func (m *Middleware) AppliedFor(ctx context.Context, caller, key string) (bool, error) {
-	return m.applied(ctx, caller, key)
-}
-
-func (m *Middleware) applied(ctx context.Context, caller, key string) (bool, error) {
 	if key == "" {
 		return false, fmt.Errorf("idemhttp: %w", dedupactivity.ErrEmptyBusinessKey)
 	}
@@ -401,7 +397,7 @@ func (m *Middleware) StatusHandler() http.Handler {
 			writeError(w, http.StatusBadRequest, "no key")
 			return
 		}
-		applied, err := m.applied(r.Context(), m.caller(r), key)
+		applied, err := m.AppliedFor(r.Context(), m.caller(r), key)
 		var rejected *RejectedError
 		switch {
 		case errors.As(err, &rejected):
