@@ -13,7 +13,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.temporal.io/sdk/activity"
 )
@@ -77,7 +76,7 @@ func (d *Deduper) claim(ctx context.Context, m *marker, ride bool, fn applyFunc)
 		return a, fmt.Errorf("dedupactivity: acquire connection: %w", err)
 	}
 	tx.conn = tx.pc.Conn()
-	tx.ride = ride && !d.simpleProtocol(tx.conn)
+	tx.ride = ride && stateOf(tx.conn).named
 	defer func() {
 		if tx.pc != nil {
 			release(ctx, tx.pc)
@@ -198,70 +197,66 @@ func (d *Deduper) claimFailed(ctx context.Context, tx *claimTx, a attempt) (atte
 // nil, BEGIN, the look for a committed marker and q. ok says whether the
 // event is this attempt's: the claim inserted the marker's key (m.ctid and
 // m.xact are set), or the look found no committed marker. When ok and q was
-// sent, br is positioned at q's result and the caller reads and closes it.
-// If pgx refuses q before it sends anything, the error is errNotRidden. A
-// connection that broke before the claim was read (a server restart, a
-// backend killed while the connection sat idle in the pool) is replaced and
-// the round trip sent once more: nothing of it committed.
-func (d *Deduper) sendClaim(ctx context.Context, tx *claimTx, q *pgx.QueuedQuery) (br pgx.BatchResults, ok bool, err error) {
+// sent, the returned trip is at q's result and the caller reads and closes
+// it. If q cannot be prepared or its arguments encoded, nothing is sent and
+// the error is errNotRidden. A connection that broke before the claim was
+// read (a server restart, a backend killed while the connection sat idle in
+// the pool), or lost its prepared statements, is replaced or prepared again
+// and the round trip sent once more: nothing of it committed.
+func (d *Deduper) sendClaim(ctx context.Context, tx *claimTx, q *pgx.QueuedQuery) (t *trip, ok bool, err error) {
 	look := q != nil
 	for try := 1; ; try++ {
-		b := &pgx.Batch{}
-		b.BeginTx(pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+		t = newTrip(tx.conn)
+		var qsql string
 		if look {
-			d.store.queueLook(b, tx.m)
-		} else {
-			d.store.queueClaim(b, tx.m, claimWait(ctx, d.opts.ClaimWait))
+			qsql = q.SQL
 		}
-		if q != nil {
-			// A copy each time: pgx keeps the statement it prepared for a
-			// queued query on the query, and that was the broken connection's.
-			b.QueuedQueries = append(b.QueuedQueries, &pgx.QueuedQuery{SQL: q.SQL, Arguments: q.Arguments})
-		}
-		br = tx.conn.SendBatch(ctx, b)
-		_, err = br.Exec()
+		err = t.s.prepare(ctx, tx.conn, qsql, d.store.stmts...)
 		if err == nil {
+			t.add(beginStmt)
 			if look {
-				var found bool
-				found, err = readLook(br, tx.m)
-				ok = !found
+				d.store.addLook(t, tx.m)
+				err = t.addQuery(q.SQL, q.Arguments)
 			} else {
-				ok, err = d.store.readClaim(br, tx.m)
+				d.store.addClaim(t, tx.m, claimWait(ctx, d.opts.ClaimWait))
+			}
+		}
+		if errors.Is(err, errNotRidden) {
+			return nil, false, err // nothing was sent
+		}
+		if err == nil {
+			t.send(ctx)
+			if _, err = t.exec(); err == nil { // BEGIN
+				if look {
+					var found bool
+					found, err = looked(t, tx.m)
+					ok = !found
+				} else {
+					ok, err = d.store.claimed(t, tx.m)
+				}
 			}
 		}
 		if err == nil {
-			tx.inner = br.Tx()
 			if ok && q != nil {
-				return br, true, nil
+				return t, true, nil
 			}
 			// Without q, or on a duplicate: q ran in a transaction that is
 			// rolled back, and its outcome does not matter.
-			if cerr := br.Close(); cerr != nil && ok {
+			if cerr := t.close(); cerr != nil && ok {
 				return nil, false, fmt.Errorf("dedupactivity: claim: %w", interpretError(cerr, true))
 			}
 			return nil, ok, nil
 		}
-		_ = br.Close()
-		if look && notRun(tx.conn, q, err) {
-			// pgx could not prepare q or encode its arguments, and ran
-			// nothing: q's error is the effect's, not the claim's. (pgx
-			// may have closed the connection doing so.)
-			if tx.conn.IsClosed() {
-				if err := d.replaceConn(ctx, tx); err != nil {
-					return nil, false, err
-				}
-			}
-			return nil, false, errNotRidden
-		}
+		_ = t.close()
 		if look && (ctx.Err() != nil || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled)) {
 			// PostgreSQL answers BEGIN and the look only with q, at the
-			// batch's end, and the look waits for nothing (but a lock DDL
-			// holds on the marker table): the deadline or cancellation is
-			// q's, the effect's own, not a claim that waited.
+			// round trip's end, and the look waits for nothing (but a lock
+			// DDL holds on the marker table): the deadline or cancellation
+			// is q's, the effect's own, not a claim that waited.
 			return nil, false, effectError{fmt.Errorf("dedupactivity: the effect's first statement (sent with the claim): %w", err)}
 		}
-		if tx.conn.IsClosed() && try == 1 && ctx.Err() == nil {
-			if err := d.replaceConn(ctx, tx); err != nil {
+		if try == 1 && ctx.Err() == nil && (tx.conn.IsClosed() || stale(err)) {
+			if err := d.resetConn(ctx, tx); err != nil {
 				return nil, false, err
 			}
 			continue
@@ -270,22 +265,20 @@ func (d *Deduper) sendClaim(ctx context.Context, tx *claimTx, q *pgx.QueuedQuery
 	}
 }
 
-// notRun says whether the batch that carried q failed before any of it ran:
-// pgx refused q while preparing the batch (an ErrPreprocessingBatch naming
-// q), or the batch failed with no server error and left the connection
-// open and outside a transaction (BEGIN never ran; in QueryExecModeExec pgx
-// reports q's encoding errors so).
-func notRun(conn *pgx.Conn, q *pgx.QueuedQuery, err error) bool {
-	if pe := (pgx.ErrPreprocessingBatch{}); errors.As(err, &pe) && pe.SQL() == q.SQL {
-		return true
+// resetConn makes tx's connection ready to send the claim's first round
+// trip again, after it failed before anything of it could commit: a broken
+// connection is replaced by a new pooled one; on a live one, whose prepared
+// statements were missing (see trip.close), the transaction the round trip
+// began is rolled back.
+func (d *Deduper) resetConn(ctx context.Context, tx *claimTx) error {
+	if !tx.conn.IsClosed() {
+		if tx.conn.PgConn().TxStatus() == 'I' {
+			return nil
+		}
+		if _, err := tx.conn.Exec(ctx, "ROLLBACK"); err == nil {
+			return nil
+		}
 	}
-	var pgErr *pgconn.PgError
-	return !errors.As(err, &pgErr) && !conn.IsClosed() && conn.PgConn().TxStatus() == 'I' && !errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded)
-}
-
-// replaceConn gives tx a new pooled connection for its broken one, before
-// anything of the attempt was committed or is pending on it.
-func (d *Deduper) replaceConn(ctx context.Context, tx *claimTx) error {
 	release(ctx, tx.pc)
 	tx.pc = nil
 	pc, err := d.pool.Acquire(ctx)
@@ -300,11 +293,11 @@ func (d *Deduper) replaceConn(ctx context.Context, tx *claimTx) error {
 // look, before a call that might end the transaction; ok is false when the
 // marker was committed meanwhile (a duplicate).
 func (d *Deduper) claimKey(ctx context.Context, tx *claimTx) (ok bool, err error) {
-	b := &pgx.Batch{}
-	d.store.queueClaim(b, tx.m, claimWait(ctx, d.opts.ClaimWait))
-	br := tx.conn.SendBatch(ctx, b)
-	ok, err = d.store.readClaim(br, tx.m)
-	if cerr := br.Close(); err == nil {
+	t := newTrip(tx.conn)
+	d.store.addClaim(t, tx.m, claimWait(ctx, d.opts.ClaimWait))
+	t.send(ctx)
+	ok, err = d.store.claimed(t, tx.m)
+	if cerr := t.close(); err == nil {
 		err = cerr
 	}
 	if err != nil {
@@ -313,8 +306,8 @@ func (d *Deduper) claimKey(ctx context.Context, tx *claimTx) (ok bool, err error
 	if !ok {
 		// A committed key: in the look's table, or, if the effect changed
 		// search_path, in another.
-		var table uint32
-		if err := tx.conn.QueryRow(ctx, d.store.self).Scan(&table); err != nil {
+		table, err := d.selfTable(ctx, tx.conn)
+		if err != nil {
 			return false, claimError(ctx, err)
 		}
 		if table != tx.m.table {
@@ -322,6 +315,22 @@ func (d *Deduper) claimKey(ctx context.Context, tx *claimTx) (ok bool, err error
 		}
 	}
 	return ok, nil
+}
+
+// selfTable is the OID of the table the marker table's name finds now.
+func (d *Deduper) selfTable(ctx context.Context, conn *pgx.Conn) (uint32, error) {
+	t := newTrip(conn)
+	t.add(d.store.self)
+	t.send(ctx)
+	var table uint32
+	_, err := t.row(func(cols [][]byte) (err error) {
+		table, err = colUint32(cols[0])
+		return err
+	})
+	if cerr := t.close(); err == nil {
+		err = cerr
+	}
+	return table, err
 }
 
 // claimError is the error of a claim statement that failed.
@@ -338,12 +347,12 @@ func claimError(ctx context.Context, err error) error {
 // a claim that went as a look. It returns errDuplicate when a concurrent
 // attempt committed the marker first: nothing of this one commits.
 func (d *Deduper) commitLast(ctx context.Context, conn *pgx.Conn, m *marker) error {
-	b := &pgx.Batch{}
-	d.store.queueInsertLast(b, m, claimWait(ctx, d.opts.ClaimWait))
-	b.Queue("COMMIT")
-	br := conn.SendBatch(ctx, b)
-	if _, err := br.Exec(); err != nil {
-		_ = br.Close()
+	t := newTrip(conn)
+	d.store.addInsertLast(t, m, claimWait(ctx, d.opts.ClaimWait))
+	t.add(commitStmt)
+	t.send(ctx)
+	if _, err := t.exec(); err != nil {
+		_ = t.close()
 		switch sqlState(err) {
 		case stateUniqueViolation:
 			return errDuplicate // the insert touches the marker table alone: its key
@@ -354,7 +363,7 @@ func (d *Deduper) commitLast(ctx context.Context, conn *pgx.Conn, m *marker) err
 		// finds out.
 		return fmt.Errorf("dedupactivity: store marker and commit: %w", interpretError(err, false))
 	}
-	return d.readCommit(br, true)
+	return d.readCommit(t, true)
 }
 
 // release rolls back whatever transaction is still open (error and panic
@@ -374,28 +383,28 @@ func release(ctx context.Context, conn *pgxpool.Conn) {
 // checks that the transaction is still the claim's) and commits, in one
 // round trip. If the effect ended the claim's transaction and began another,
 // the check fails that other transaction, so the COMMIT behind it in the
-// pipeline commits nothing.
+// round trip commits nothing.
 func (d *Deduper) commit(ctx context.Context, conn *pgx.Conn, m *marker) error {
-	b := &pgx.Batch{}
-	d.store.queueComplete(b, m, !d.opts.DiscardResults)
-	b.Queue("COMMIT")
-	br := conn.SendBatch(ctx, b)
-	found, err := readComplete(br)
+	t := newTrip(conn)
+	d.store.addComplete(t, m, !d.opts.DiscardResults)
+	t.add(commitStmt)
+	t.send(ctx)
+	found, err := completed(t)
 	if err != nil {
-		_ = br.Close()
+		_ = t.close()
 		if err = interpretError(err, false); errors.Is(err, ErrTxEnded) {
 			return d.endedByEffect(ctx, conn, m)
 		}
 		return fmt.Errorf("dedupactivity: store result: %w", err)
 	}
-	return d.readCommit(br, found)
+	return d.readCommit(t, found)
 }
 
-// readCommit reads the COMMIT that ends br; found says whether the marker
+// readCommit reads the COMMIT that ends t; found says whether the marker
 // was written.
-func (d *Deduper) readCommit(br pgx.BatchResults, found bool) error {
-	tag, err := br.Exec()
-	if cerr := br.Close(); err == nil {
+func (d *Deduper) readCommit(t *trip, found bool) error {
+	tag, err := t.exec()
+	if cerr := t.close(); err == nil {
 		err = cerr
 	}
 	switch {
@@ -438,28 +447,25 @@ func (d *Deduper) duplicate(ctx context.Context, conn *pgx.Conn, m *marker, a at
 }
 
 // rollBackAndRead rolls back whatever transaction conn is in and reads m's
-// committed marker, in one round trip; two when the transaction has failed,
-// since pgx prepares a batch's new statements before it runs any, which a
-// failed transaction refuses.
+// committed marker, in one round trip (ROLLBACK runs in a failed
+// transaction too).
 func (d *Deduper) rollBackAndRead(ctx context.Context, conn *pgx.Conn, m *marker) (st stored, found bool, err error) {
-	b := &pgx.Batch{}
-	switch conn.PgConn().TxStatus() {
-	case 'E':
-		if _, err := conn.Exec(ctx, "ROLLBACK"); err != nil {
-			return st, false, fmt.Errorf("roll back: %w", err)
-		}
-	case 'T':
-		b.Queue("ROLLBACK")
+	t := newTrip(conn)
+	inTx := conn.PgConn().TxStatus() != 'I'
+	if inTx {
+		t.add(rollbackStmt)
 	}
-	d.store.queueRead(b, m)
-	br := conn.SendBatch(ctx, b)
-	if b.Len() == 2 {
-		_, err = br.Exec()
+	d.store.addRead(t, m)
+	t.send(ctx)
+	if inTx {
+		if _, err = t.exec(); err != nil {
+			err = fmt.Errorf("roll back: %w", err)
+		}
 	}
 	if err == nil {
-		st, found, err = readStored(br)
+		st, found, err = readStored(t)
 	}
-	if cerr := br.Close(); err == nil {
+	if cerr := t.close(); err == nil {
 		err = cerr
 	}
 	return st, found, err

@@ -18,10 +18,6 @@ type Deduper struct {
 	opts  Options
 	store *store
 	tel   *telemetry
-	// queryMode is the pool's default QueryExecMode; perConnMode says a
-	// BeforeConnect hook may set another on some connections.
-	queryMode   pgx.QueryExecMode
-	perConnMode bool
 
 	// afterClaim, when set (tests only), runs after the claim inserted the
 	// marker and before the effect, inside the claim transaction.
@@ -49,27 +45,12 @@ func New(pool *pgxpool.Pool, opts Options) (*Deduper, error) {
 	if err != nil {
 		return nil, fmt.Errorf("dedupactivity: telemetry: %w", err)
 	}
-	pc := pool.Config()
-	d := &Deduper{pool: pool, opts: opts, tel: tel,
-		queryMode: pc.ConnConfig.DefaultQueryExecMode, perConnMode: pc.BeforeConnect != nil}
+	d := &Deduper{pool: pool, opts: opts, tel: tel}
 	d.store = newStore(d.qualify(opts.Table), d.qualify(opts.Table+"_ended"), d.qualify(opts.Table+"_moved"), opts.PartitionInterval > 0, d.qualify(opts.Table+"_default"))
 	if err := tel.observeOldest(d); err != nil {
 		return nil, fmt.Errorf("dedupactivity: telemetry: %w", err)
 	}
 	return d, nil
-}
-
-// simpleProtocol says whether conn sends statements with pgx's simple
-// protocol, where one call may hold several statements (a COMMIT among
-// them), so no claim rides on it. The pool's configuration answers, unless a
-// BeforeConnect hook may have changed it for conn: then conn's own, which
-// costs a copy of its configuration.
-func (d *Deduper) simpleProtocol(conn *pgx.Conn) bool {
-	mode := d.queryMode
-	if d.perConnMode {
-		mode = conn.Config().DefaultQueryExecMode
-	}
-	return mode == pgx.QueryExecModeSimpleProtocol
 }
 
 func (d *Deduper) qualify(name string) string {

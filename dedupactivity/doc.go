@@ -47,7 +47,11 @@
 // sent with the effect's first statement and the marker goes in with
 // COMMIT: one round trip fewer than the bare effect (a call other than
 // Exec, Query or QueryRow with positional arguments puts the marker's key
-// in first, in a round trip of its own). Retries, business keys
+// in first, in a round trip of its own). This needs a connection that
+// caches statements (pgx's default, QueryExecModeCacheStatement), where the
+// claim prepares its statements, and the effect's first, once (named
+// dedupactivity_<hash>); with any other QueryExecMode its statements are
+// sent unnamed and the claim goes first. Retries, business keys
 // and local activities claim before the effect runs. A duplicate among the
 // riding deliveries (after an operator reset an activity) runs the effect's
 // first statement in a transaction that is rolled back, and that call

@@ -9,6 +9,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -61,8 +62,8 @@ type store struct {
 	// transaction's ID and the table's OID. When nothing is inserted the
 	// claim's lock_timeout stays until the transaction ends:
 	// restoreLockTimeout puts it back for a caller that goes on.
-	insert             string
-	restoreLockTimeout string
+	insert             *stmt
+	restoreLockTimeout *stmt
 	// insertLast inserts the whole marker, result included, just before
 	// COMMIT, for a claim that went as a look (see claimTx). It sets the
 	// claim wait as lock_timeout in its FROM clause, before it can wait for
@@ -71,28 +72,28 @@ type store struct {
 	// COMMIT behind it commits nothing. Nothing follows but COMMIT, so the
 	// lock_timeout is not put back. It inserts only into the table the look
 	// read (see store).
-	insertLast string
+	insertLast *stmt
 	// complete stores the result in the marker, found by its ctid, after
 	// checking, as guard does, that the transaction is still the claim's,
 	// and that the table is (see store). The checks are an uncorrelated
 	// subquery, so a one-time filter that runs whether or not the marker
 	// row is found.
-	complete string
+	complete *stmt
 	// guard fails (SQLSTATE DDUP2, from the <table>_ended function) when the
 	// top-level transaction is no longer the claim's: the effect ended it
 	// and began another. Queued before COMMIT, it keeps that COMMIT from
 	// committing anything.
-	guard string
+	guard *stmt
 	// read returns a committed marker.
-	read string
+	read *stmt
 	// look is read for a claim that goes as a look (see claimTx): one row,
 	// saying whether a marker is committed (a duplicate reads it with its
 	// rollback, as any duplicate), whether the transaction is read-only
 	// (the marker goes in at COMMIT, after the effect's writes have failed
 	// on that), and the table's OID.
-	look string
+	look *stmt
 	// self is the OID of the table its name finds now.
-	self string
+	self *stmt
 	// exists says whether a marker is committed.
 	exists string
 	// result returns a committed marker's result, found by id_hash alone
@@ -105,6 +106,10 @@ type store struct {
 	// partitioned layout id_hash alone is not unique), skipping rows locked
 	// by a concurrent pruner.
 	prune string
+
+	// stmts are the statements a claim may send on its connection (see
+	// wire.go), prepared there together before its first round trip.
+	stmts []*stmt
 }
 
 func newStore(table, ended, moved string, partitioned bool, defaultPartition string) *store {
@@ -119,32 +124,41 @@ func newStore(table, ended, moved string, partitioned bool, defaultPartition str
 	// statement's search_path (a prepared statement is planned again when
 	// search_path changes). Table names hold no quote.
 	self := `'` + table + `'::regclass::oid`
-	return &store{
+	// The parameters of a marker (see markerParams) and of its key.
+	marker := []uint32{oidBytea, oidInt4, oidTimestamptz, oidText, oidBytea, oidBytea, oidText}
+	key := []uint32{oidBytea}
+	completeParams := []uint32{oidTID, oidBytea, oidText}
+	if partitioned {
+		marker = append(marker, oidTimestamptz)
+		key = append(key, oidTimestamptz)
+		completeParams = append(completeParams, oidTimestamptz)
+	}
+	st := &store{
 		table:       table,
 		partitioned: partitioned,
-		insert: `INSERT INTO ` + table + ` (id_hash, attempt, expires_at, activity_type, fingerprint, result` + keyCol + `)
-SELECT $1::bytea, $2::int4, $3::timestamptz, $4::text, $5::bytea, $6::bytea` + keyVal + `
+		insert: newStmt(`INSERT INTO `+table+` (id_hash, attempt, expires_at, activity_type, fingerprint, result`+keyCol+`)
+SELECT $1::bytea, $2::int4, $3::timestamptz, $4::text, $5::bytea, $6::bytea`+keyVal+`
 FROM (SELECT set_config('dedupactivity.lock_timeout', current_setting('lock_timeout'), true),
 	set_config('lock_timeout', $7, true)) AS claim_wait
 ON CONFLICT DO NOTHING
-RETURNING ctid, pg_current_xact_id()::text, set_config('lock_timeout', current_setting('dedupactivity.lock_timeout'), true), ` + self,
-		insertLast: `INSERT INTO ` + table + ` (id_hash, attempt, expires_at, activity_type, fingerprint, result` + keyCol + `)
-SELECT $1::bytea, $2::int4, $3::timestamptz, $4::text, $5::bytea, $6::bytea` + keyVal + `
+RETURNING ctid, pg_current_xact_id()::text, set_config('lock_timeout', current_setting('dedupactivity.lock_timeout'), true), `+self, marker...),
+		insertLast: newStmt(`INSERT INTO `+table+` (id_hash, attempt, expires_at, activity_type, fingerprint, result`+keyCol+`)
+SELECT $1::bytea, $2::int4, $3::timestamptz, $4::text, $5::bytea, $6::bytea`+keyVal+`
 FROM (SELECT set_config('lock_timeout', $7, true)) AS claim_wait
-WHERE (SELECT CASE WHEN ` + self + ` = ` + lastOID + `::oid THEN true ELSE ` + moved + `() END)`,
-		restoreLockTimeout: `SELECT set_config('lock_timeout', current_setting('dedupactivity.lock_timeout'), true)`,
-		complete: `UPDATE ` + table + ` SET result = $2 WHERE ctid = $1` + completeCond + ` AND (SELECT CASE
-	WHEN pg_current_xact_id() <> $3::text::xid8 THEN ` + ended + `()
-	WHEN ` + self + ` <> ` + completeOID + `::oid THEN ` + moved + `()
-	ELSE true END)`,
-		guard: `SELECT CASE WHEN pg_current_xact_id() = $1::text::xid8 THEN true ELSE ` + ended + `() END`,
+WHERE (SELECT CASE WHEN `+self+` = `+lastOID+`::oid THEN true ELSE `+moved+`() END)`, slices.Concat(marker, []uint32{oidOID})...),
+		restoreLockTimeout: newStmt(`SELECT set_config('lock_timeout', current_setting('dedupactivity.lock_timeout'), true)`),
+		complete: newStmt(`UPDATE `+table+` SET result = $2 WHERE ctid = $1`+completeCond+` AND (SELECT CASE
+	WHEN pg_current_xact_id() <> $3::text::xid8 THEN `+ended+`()
+	WHEN `+self+` <> `+completeOID+`::oid THEN `+moved+`()
+	ELSE true END)`, slices.Concat(completeParams, []uint32{oidOID})...),
+		guard: newStmt(`SELECT CASE WHEN pg_current_xact_id() = $1::text::xid8 THEN true ELSE `+ended+`() END`, oidText),
 		// bytea read as hex text: pgx decodes bytea text only in the hex
-		// output format, and the simple protocol reads text whatever
-		// bytea_output says.
-		read: `SELECT encode(fingerprint, 'hex'), encode(result, 'hex'), attempt, xmin::text FROM ` + table + ` WHERE id_hash = $1` + readCond,
-		look: `SELECT m.id_hash IS NOT NULL, current_setting('transaction_read_only') = 'on', ` + self + `
-FROM (SELECT) AS one LEFT JOIN ` + table + ` AS m ON m.id_hash = $1` + lookCond,
-		self:   `SELECT ` + self,
+		// output format, and ClaimTx's statements on a connection of pgx's
+		// simple protocol read text whatever bytea_output says.
+		read: newStmt(`SELECT encode(fingerprint, 'hex'), encode(result, 'hex'), attempt, xmin::text FROM `+table+` WHERE id_hash = $1`+readCond, key...),
+		look: newStmt(`SELECT m.id_hash IS NOT NULL, current_setting('transaction_read_only') = 'on', `+self+`
+FROM (SELECT) AS one LEFT JOIN `+table+` AS m ON m.id_hash = $1`+lookCond, key...),
+		self:   newStmt(`SELECT ` + self),
 		exists: `SELECT EXISTS (SELECT 1 FROM ` + table + ` WHERE id_hash = $1)`,
 		result: `SELECT encode(result, 'hex') FROM ` + table + ` WHERE id_hash = $1 LIMIT 1`,
 		oldest: `SELECT extract(epoch FROM now() - claimed_at)::float8 FROM ` + table + ` ORDER BY expires_at LIMIT 1`,
@@ -152,6 +166,8 @@ FROM (SELECT) AS one LEFT JOIN ` + table + ` AS m ON m.id_hash = $1` + lookCond,
 	SELECT ctid FROM ` + pruned + ` WHERE expires_at < now()
 	LIMIT $1 FOR UPDATE SKIP LOCKED))`,
 	}
+	st.stmts = []*stmt{beginStmt, commitStmt, rollbackStmt, st.look, st.insert, st.insertLast, st.complete, st.guard, st.read, st.self, st.restoreLockTimeout}
+	return st
 }
 
 // Migrations (migrate.go).
@@ -244,27 +260,34 @@ type marker struct {
 	table        uint32     // the marker table's OID, as the claim's first statement found it
 }
 
-// queueClaim queues the claim on b; readClaim reads it.
-func (s *store) queueClaim(b *pgx.Batch, m *marker, wait time.Duration) {
-	b.Queue(s.insert, s.markerArgs(m, wait)...)
+// addClaim queues the claim of m on t; claimed reads it.
+func (s *store) addClaim(t *trip, m *marker, wait time.Duration) {
+	s.markerParams(t, m, wait)
+	t.add(s.insert)
 }
 
-// queueInsertLast queues the insert of the whole marker m, for COMMIT.
-func (s *store) queueInsertLast(b *pgx.Batch, m *marker, wait time.Duration) {
-	b.Queue(s.insertLast, append(s.markerArgs(m, wait), m.table)...)
+// addInsertLast queues the insert of the whole marker m, for COMMIT, into
+// the table the look read.
+func (s *store) addInsertLast(t *trip, m *marker, wait time.Duration) {
+	s.markerParams(t, m, wait)
+	t.oid(m.table)
+	t.add(s.insertLast)
 }
 
-func (s *store) markerArgs(m *marker, wait time.Duration) []any {
-	return s.withKey(m, m.hash, m.attempt, m.expiresAt, m.activityType, m.fingerprint, m.result, strconv.FormatInt(wait.Milliseconds(), 10)+"ms")
+// markerParams are the parameters of insert and insertLast: the marker, the
+// claim wait as a lock_timeout, and (partitioned) its scheduled time.
+func (s *store) markerParams(t *trip, m *marker, wait time.Duration) {
+	t.bytea(m.hash).int4(m.attempt).timestamptz(m.expiresAt).text(m.activityType).bytea(m.fingerprint).bytea(m.result).
+		text(strconv.FormatInt(wait.Milliseconds(), 10) + "ms")
+	s.scheduledAt(t, m)
 }
 
-// withKey appends to args the rest of m's key: its scheduled time in the
-// partitioned layout, whose statements take it as their last parameter.
-func (s *store) withKey(m *marker, args ...any) []any {
+// scheduledAt appends m's scheduled time, the rest of its key in the
+// partitioned layout.
+func (s *store) scheduledAt(t *trip, m *marker) {
 	if s.partitioned {
-		args = append(args, m.scheduledAt)
+		t.timestamptz(m.scheduledAt)
 	}
-	return args
 }
 
 // insertedBy says whether xmin (a marker's, as text) is the transaction that
@@ -279,40 +302,55 @@ func sameXact(xact, xmin string) bool {
 	return err1 == nil && err2 == nil && uint32(x) == uint32(y)
 }
 
-// readClaim reads what queueClaim queued. claimed is false when the marker
-// was already committed (a duplicate); when true, m.ctid and m.xact are the
-// new row's and its transaction's, and m.table its table's. A key inserted
-// into another table than the look read (the effect changed search_path
-// between the two) is ErrSearchPathChanged.
-func (s *store) readClaim(br pgx.BatchResults, m *marker) (claimed bool, err error) {
+// claimed reads what addClaim queued. It is false when the marker was
+// already committed (a duplicate); when true, m.ctid and m.xact are the new
+// row's and its transaction's, and m.table its table's. A key inserted into
+// another table than the look read (the effect changed search_path between
+// the two) is ErrSearchPathChanged.
+func (s *store) claimed(t *trip, m *marker) (bool, error) {
+	var ctid pgtype.TID
+	var xact string
 	var table uint32
-	err = br.QueryRow().Scan(&m.ctid, &m.xact, nil, &table)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return false, nil
-	}
-	if err != nil {
+	found, err := t.row(func(cols [][]byte) (err error) {
+		if ctid, err = colTID(cols[0]); err != nil {
+			return err
+		}
+		xact = string(cols[1])
+		table, err = colUint32(cols[3])
+		return err
+	})
+	if err != nil || !found {
 		return false, err
 	}
-	if m.table != 0 && table != m.table {
-		return false, fmt.Errorf("%w: the marker's key went to table OID %d, the look read %d", ErrSearchPathChanged, table, m.table)
-	}
-	m.table = table
-	return true, nil
+	return true, m.claimedAs(ctid, xact, table)
 }
 
-// queueComplete queues the result update (or, when results are discarded,
-// only the guard); readComplete reports whether the update found the
-// marker.
-func (s *store) queueComplete(b *pgx.Batch, m *marker, storeResult bool) {
+// claimedAs records the row the claim inserted: its ctid, its transaction
+// and its table, which must be the one the look read (if any).
+func (m *marker) claimedAs(ctid pgtype.TID, xact string, table uint32) error {
+	if m.table != 0 && table != m.table {
+		return fmt.Errorf("%w: the marker's key went to table OID %d, the look read %d", ErrSearchPathChanged, table, m.table)
+	}
+	m.ctid, m.xact, m.table = ctid, xact, table
+	return nil
+}
+
+// addComplete queues the result update (or, when results are discarded,
+// only the guard); completed reports whether the update found the marker.
+func (s *store) addComplete(t *trip, m *marker, storeResult bool) {
 	if !storeResult {
-		b.Queue(s.guard, m.xact)
+		t.text(m.xact)
+		t.add(s.guard)
 		return
 	}
-	b.Queue(s.complete, append(s.withKey(m, m.ctid, m.result, m.xact), m.table)...)
+	t.tid(m.ctid).bytea(m.result).text(m.xact)
+	s.scheduledAt(t, m)
+	t.oid(m.table)
+	t.add(s.complete)
 }
 
-func readComplete(br pgx.BatchResults) (bool, error) {
-	tag, err := br.Exec()
+func completed(t *trip) (bool, error) {
+	tag, err := t.exec()
 	return tag.RowsAffected() == 1, err
 }
 
@@ -324,60 +362,140 @@ type stored struct {
 	xmin        string // the transaction that inserted it
 }
 
-// queueRead queues the read of m's committed marker; readStored reads it.
-func (s *store) queueRead(b *pgx.Batch, m *marker) {
-	b.Queue(s.read, s.withKey(m, m.hash)...)
+// addRead queues the read of m's committed marker; readStored reads it.
+func (s *store) addRead(t *trip, m *marker) {
+	t.bytea(m.hash)
+	s.scheduledAt(t, m)
+	t.add(s.read)
 }
 
-func readStored(br pgx.BatchResults) (st stored, found bool, err error) {
+func readStored(t *trip) (st stored, found bool, err error) {
+	found, err = t.row(func(cols [][]byte) error {
+		attempt, err := colUint32(cols[2])
+		if err == nil {
+			st, err = storedFrom(cols[0], cols[1], int32(attempt), string(cols[3]))
+		}
+		return err
+	})
+	return st, found && err == nil, err
+}
+
+// storedFrom is a committed marker from its columns as read, fingerprint
+// and result in hex (nil: NULL).
+func storedFrom(fingerprint, result []byte, attempt int32, xmin string) (st stored, err error) {
+	st.attempt, st.xmin = attempt, xmin
+	if st.fingerprint, err = decodeHex(fingerprint); err != nil {
+		return st, err
+	}
+	st.result, err = decodeHex(result)
+	return st, err
+}
+
+// decodeHex decodes a hex column; NULL stays nil, and an empty string becomes empty
+// (not nil): a discarded result.
+func decodeHex(s []byte) ([]byte, error) {
+	if s == nil {
+		return nil, nil
+	}
+	b := make([]byte, hex.DecodedLen(len(s)))
+	if _, err := hex.Decode(b, s); err != nil {
+		return nil, fmt.Errorf("dedupactivity: read marker: %w", err)
+	}
+	return b, nil
+}
+
+// addLook queues the look for m's committed marker; looked reads it, and
+// the table's OID into m.table. A read-only transaction is ErrReadOnly.
+func (s *store) addLook(t *trip, m *marker) {
+	t.bytea(m.hash)
+	s.scheduledAt(t, m)
+	t.add(s.look)
+}
+
+func looked(t *trip, m *marker) (found bool, err error) {
+	var readOnly bool
+	got, err := t.row(func(cols [][]byte) (err error) {
+		if found, err = colBool(cols[0]); err != nil {
+			return err
+		}
+		if readOnly, err = colBool(cols[1]); err != nil {
+			return err
+		}
+		m.table, err = colUint32(cols[2])
+		return err
+	})
+	switch {
+	case err != nil:
+		return false, err
+	case !got:
+		return false, errors.New("dedupactivity: the look returned no row")
+	case readOnly:
+		return false, fmt.Errorf("%w (transaction_read_only is on)", ErrReadOnly)
+	}
+	return found, nil
+}
+
+// ClaimTx sends its statements through the caller's pgx.Tx, as pgx
+// batches, so they go where the caller's transaction is (or fail with
+// pgx.ErrTxClosed once it ended).
+
+// queueClaim queues the claim on b; readClaim reads it (see claimed).
+func (s *store) queueClaim(b *pgx.Batch, m *marker, wait time.Duration) {
+	b.Queue(s.insert.sql, m.hash, m.attempt, m.expiresAt, m.activityType, m.fingerprint, m.result, strconv.FormatInt(wait.Milliseconds(), 10)+"ms")
+}
+
+func (s *store) readClaim(br pgx.BatchResults, m *marker) (bool, error) {
+	var ctid pgtype.TID
+	var xact string
+	var table uint32
+	err := br.QueryRow().Scan(&ctid, &xact, nil, &table)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return false, nil
+	}
+	if err != nil {
+		return false, err
+	}
+	return true, m.claimedAs(ctid, xact, table)
+}
+
+// queueRead queues the read of m's committed marker; scanStored reads it.
+func (s *store) queueRead(b *pgx.Batch, m *marker) { b.Queue(s.read.sql, m.hash) }
+
+func scanStored(br pgx.BatchResults) (st stored, found bool, err error) {
 	var fingerprint, result *string
-	err = br.QueryRow().Scan(&fingerprint, &result, &st.attempt, &st.xmin)
+	var attempt int32
+	var xmin string
+	err = br.QueryRow().Scan(&fingerprint, &result, &attempt, &xmin)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return st, false, nil
 	}
 	if err != nil {
 		return st, false, err
 	}
-	if st.fingerprint, err = decodeHex(fingerprint); err != nil {
-		return st, false, err
+	bytesOf := func(s *string) []byte {
+		if s == nil {
+			return nil
+		}
+		return []byte(*s)
 	}
-	if st.result, err = decodeHex(result); err != nil {
-		return st, false, err
-	}
-	return st, true, nil
+	st, err = storedFrom(bytesOf(fingerprint), bytesOf(result), attempt, xmin)
+	return st, err == nil, err
 }
 
-// queueLook queues the look for m's committed marker; readLook reads it,
-// and the table's OID into m.table. A read-only transaction is ErrReadOnly.
-func (s *store) queueLook(b *pgx.Batch, m *marker) {
-	b.Queue(s.look, s.withKey(m, m.hash)...)
+// queueComplete queues the result update (or, when results are discarded,
+// only the guard); readComplete reports whether the update found the
+// marker.
+func (s *store) queueComplete(b *pgx.Batch, m *marker, storeResult bool) {
+	if !storeResult {
+		b.Queue(s.guard.sql, m.xact)
+		return
+	}
+	b.Queue(s.complete.sql, m.ctid, m.result, m.xact, m.table)
 }
 
-func readLook(br pgx.BatchResults, m *marker) (found bool, err error) {
-	var readOnly bool
-	if err := br.QueryRow().Scan(&found, &readOnly, &m.table); err != nil {
-		return false, err
-	}
-	if readOnly {
-		return false, fmt.Errorf("%w (transaction_read_only is on)", ErrReadOnly)
-	}
-	return found, nil
-}
-
-// decodeHex decodes a hex column; NULL stays nil, and ” becomes empty
-// (not nil): a discarded result.
-func decodeHex(s *string) ([]byte, error) {
-	switch {
-	case s == nil:
-		return nil, nil
-	case *s == "":
-		return []byte{}, nil
-	}
-	b, err := hex.DecodeString(*s)
-	if err != nil {
-		return nil, fmt.Errorf("dedupactivity: read marker: %w", err)
-	}
-	return b, nil
+func readComplete(br pgx.BatchResults) (bool, error) {
+	tag, err := br.Exec()
+	return tag.RowsAffected() == 1, err
 }
 
 // interpretError turns PostgreSQL errors this package knows into its own
@@ -409,6 +527,9 @@ func validText(s string) string {
 }
 
 func sqlState(err error) string {
+	if err == nil {
+		return "" // before pgErr, which escapes
+	}
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
 		return pgErr.Code

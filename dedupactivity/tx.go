@@ -28,8 +28,10 @@ import (
 // parameters, sent with the extended protocol, cannot end the transaction,
 // so while only those have run the marker can wait for COMMIT; any other
 // call (Exec without arguments, SendBatch, Begin, Conn, ...) inserts the
-// marker's key first. Under pgx's simple protocol, where one call may send
-// several statements, nothing rides.
+// marker's key first. Only a connection that caches statements (pgx's
+// default, QueryExecModeCacheStatement) rides: the statement is prepared
+// there, as pgx would, and sent with the claim's (see wire.go); on any other
+// the claim goes first.
 //
 // If the look finds the event applied, or fails, the statement that rode
 // with it has run in a transaction that is rolled back: the call returns
@@ -40,17 +42,17 @@ type claimTx struct {
 	ctx    context.Context // the attempt's, for the methods that take none
 	pc     *pgxpool.Conn
 	conn   *pgx.Conn
-	inner  pgx.Tx // pgx's own Tx of the claim transaction (Batch.BeginTx)
+	inner  pgx.Tx // a pgx Tx of the claim transaction, made for LargeObjects
 	closed atomic.Bool
 	depth  int // savepoints opened so far, for their names
 
 	start    time.Time // the attempt's start
 	state    claimState
-	claimErr error            // errDuplicate, or why the claim failed
-	took     time.Duration    // from start until the claim was read
-	ride     bool             // the claim may ride with the first statement
-	riding   pgx.BatchResults // the batch the first statement rode in, while unread
-	rows     pgx.Rows         // the last Rows of Query, which the effect may leave open
+	claimErr error         // errDuplicate, or why the claim failed
+	took     time.Duration // from start until the claim was read
+	ride     bool          // the claim may ride with the first statement
+	riding   *trip         // the round trip the first statement rode in, while unread
+	rows     pgx.Rows      // the last Rows of Query, which the effect may leave open
 }
 
 // claimState is how far the claim has gone.
@@ -72,8 +74,8 @@ func (t *claimTx) close() { t.closed.Store(true) }
 // anything (preparing it, or encoding its arguments, failed), nothing is
 // sent and send returns errNotRidden: the caller sends q on its own, to
 // report its error as q's.
-func (t *claimTx) send(ctx context.Context, q *pgx.QueuedQuery) (pgx.BatchResults, error) {
-	br, ok, err := t.d.sendClaim(ctx, t, q)
+func (t *claimTx) send(ctx context.Context, q *pgx.QueuedQuery) (*trip, error) {
+	tr, ok, err := t.d.sendClaim(ctx, t, q)
 	if errors.Is(err, errNotRidden) {
 		return nil, err
 	}
@@ -88,8 +90,8 @@ func (t *claimTx) send(ctx context.Context, q *pgx.QueuedQuery) (pgx.BatchResult
 	case !ok:
 		t.claimErr = errDuplicate
 	}
-	t.riding = br
-	return br, t.claimErr
+	t.riding = tr
+	return tr, t.claimErr
 }
 
 // ready makes the transaction ready for a statement with args (nil for
@@ -109,8 +111,8 @@ func (t *claimTx) ready(ctx context.Context, args []any) error {
 		// Statements with bind parameters cannot end a transaction: after a
 		// look, the marker can still go in with COMMIT.
 	case t.riding != nil || t.conn.PgConn().IsBusy():
-		// Rows still open (the first statement's, whose batch's BEGIN is
-		// not acknowledged yet, so the status says nothing, or a later
+		// Rows still open (the first statement's, whose round trip's BEGIN
+		// is not acknowledged yet, so the status says nothing, or a later
 		// Query's): the connection is busy, as pgx says of any call made
 		// then. This call fails alone.
 		return errConnBusy
@@ -158,7 +160,7 @@ func (t *claimTx) rides(args []any) bool {
 // the statement with the extended protocol (one statement, parameters
 // bound): not none, with which pgx sends the SQL, perhaps several
 // statements, as a simple query, and no QueryExecMode, result format or
-// QueryRewriter option, which a pgx Batch does not take.
+// QueryRewriter option, which the claim's round trip does not take.
 func positional(args []any) bool {
 	if len(args) == 0 {
 		return false
@@ -171,13 +173,13 @@ func positional(args []any) bool {
 }
 
 // sendRiding sends sql with the claim; the caller reads its result.
-func (t *claimTx) sendRiding(ctx context.Context, sql string, args []any) (pgx.BatchResults, error) {
+func (t *claimTx) sendRiding(ctx context.Context, sql string, args []any) (*trip, error) {
 	return t.send(ctx, &pgx.QueuedQuery{SQL: sql, Arguments: args})
 }
 
 // closeOpen closes what the effect left open when it ends (its last Rows,
-// the batch its first statement rode in), so the claim can go on on the
-// connection.
+// the round trip its first statement rode in), so the claim can go on on
+// the connection.
 func (t *claimTx) closeOpen() {
 	if t.rows != nil {
 		t.rows.Close()
@@ -185,15 +187,15 @@ func (t *claimTx) closeOpen() {
 	_ = t.closeRide()
 }
 
-// closeRide closes the batch the first statement rode in, once its result
-// has been read.
+// closeRide closes the round trip the first statement rode in, once its
+// result has been read.
 func (t *claimTx) closeRide() error {
 	if t.riding == nil {
 		return nil
 	}
-	br := t.riding
+	tr := t.riding
 	t.riding = nil
-	return br.Close()
+	return tr.close()
 }
 
 // Begin starts a savepoint, as pgx's Tx.Begin does.
@@ -243,8 +245,17 @@ func (t *claimTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults 
 // If the claim finds the event applied, or fails, large-object calls fail
 // too (they panic on a zero LargeObjects; that panic is the claim's).
 func (t *claimTx) LargeObjects() pgx.LargeObjects {
-	if err := t.ready(t.ctx, nil); err != nil || t.inner == nil {
+	if err := t.ready(t.ctx, nil); err != nil {
 		return pgx.LargeObjects{}
+	}
+	if t.inner == nil {
+		// pgx gives large objects only through a Tx of its own, which it
+		// makes by sending a statement: one that does nothing here.
+		inner, err := t.conn.BeginTx(t.ctx, pgx.TxOptions{BeginQuery: "SELECT 1"})
+		if err != nil {
+			return pgx.LargeObjects{}
+		}
+		t.inner = inner
 	}
 	return t.inner.LargeObjects()
 }
@@ -260,11 +271,11 @@ func (t *claimTx) Prepare(ctx context.Context, name, sql string) (*pgconn.Statem
 // Exec runs sql in the claim transaction.
 func (t *claimTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
 	if t.rides(args) {
-		if br, err := t.sendRiding(ctx, sql, args); !errors.Is(err, errNotRidden) {
+		if tr, err := t.sendRiding(ctx, sql, args); !errors.Is(err, errNotRidden) {
 			if err != nil {
 				return pgconn.CommandTag{}, err
 			}
-			tag, err := br.Exec()
+			tag, err := tr.exec()
 			if cerr := t.closeRide(); err == nil {
 				err = cerr
 			}
@@ -280,12 +291,14 @@ func (t *claimTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.Com
 // Query runs sql in the claim transaction.
 func (t *claimTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
 	if t.rides(args) {
-		if br, err := t.sendRiding(ctx, sql, args); !errors.Is(err, errNotRidden) {
-			if err != nil {
-				return errRows{err}, err
+		if tr, err := t.sendRiding(ctx, sql, args); !errors.Is(err, errNotRidden) {
+			if err == nil {
+				var rows pgx.Rows
+				if rows, err = t.ridingRows(tr); err == nil {
+					return rows, nil
+				}
 			}
-			rows, err := br.Query()
-			return &rideRows{Rows: rows, tx: t}, err
+			return errRows{err}, err
 		}
 	}
 	if err := t.ready(ctx, args); err != nil {
@@ -299,11 +312,14 @@ func (t *claimTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows,
 // QueryRow runs sql in the claim transaction.
 func (t *claimTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
 	if t.rides(args) {
-		if br, err := t.sendRiding(ctx, sql, args); !errors.Is(err, errNotRidden) {
-			if err != nil {
-				return errRows{err}
+		if tr, err := t.sendRiding(ctx, sql, args); !errors.Is(err, errNotRidden) {
+			if err == nil {
+				var rows pgx.Rows
+				if rows, err = t.ridingRows(tr); err == nil {
+					return rideRow{rows: rows}
+				}
 			}
-			return rideRow{row: br.QueryRow(), tx: t}
+			return errRows{err}
 		}
 	}
 	if err := t.ready(ctx, args); err != nil {
@@ -322,12 +338,26 @@ func (t *claimTx) Conn() *pgx.Conn {
 	return t.conn
 }
 
-// rideRows and rideRow read the result of a statement that rode with the
-// claim, and close the batch it came in once read.
+// ridingRows reads the result of the statement that rode with the claim
+// in tr, as pgx's Rows; closing them closes tr. A statement that failed has
+// no result: its error.
+func (t *claimTx) ridingRows(tr *trip) (pgx.Rows, error) {
+	rr, err := tr.next()
+	if err != nil {
+		_ = t.closeRide()
+		return nil, err
+	}
+	return &rideRows{Rows: pgx.RowsFromResultReader(t.conn.TypeMap(), rr), tx: t, trip: tr}, nil
+}
+
+// rideRows are the Rows of a statement that rode with the claim: once read,
+// they close the round trip it came in.
 type rideRows struct {
 	pgx.Rows
 	tx       *claimTx
+	trip     *trip
 	closeErr error
+	done     bool
 }
 
 func (r *rideRows) Next() bool {
@@ -344,6 +374,11 @@ func (r *rideRows) Close() {
 }
 
 func (r *rideRows) finish() {
+	if r.done {
+		return
+	}
+	r.done = true
+	r.trip.traceQuery(r.Rows.CommandTag(), r.Rows.Err())
 	if err := r.tx.closeRide(); err != nil && r.closeErr == nil {
 		r.closeErr = err
 	}
@@ -353,14 +388,6 @@ func (r *rideRows) finish() {
 // the marker's key goes in first.
 func (r *rideRows) Conn() *pgx.Conn { return r.tx.Conn() }
 
-// txRows are the Rows of a Query sent directly; see rideRows.Conn.
-type txRows struct {
-	pgx.Rows
-	tx *claimTx
-}
-
-func (r txRows) Conn() *pgx.Conn { return r.tx.Conn() }
-
 func (r *rideRows) Err() error {
 	if err := r.Rows.Err(); err != nil {
 		return err
@@ -368,18 +395,39 @@ func (r *rideRows) Err() error {
 	return r.closeErr
 }
 
-type rideRow struct {
-	row pgx.Row
-	tx  *claimTx
-}
+// rideRow is the Row of a statement that rode with the claim; Scan is pgx's
+// for a Row.
+type rideRow struct{ rows pgx.Rows }
 
 func (r rideRow) Scan(dest ...any) error {
-	err := r.row.Scan(dest...)
-	if cerr := r.tx.closeRide(); err == nil {
-		err = cerr
+	rows := r.rows
+	defer rows.Close()
+	if err := rows.Err(); err != nil {
+		return err
 	}
-	return err
+	for _, d := range dest {
+		if _, ok := d.(*pgtype.DriverBytes); ok {
+			return errors.New("cannot scan into *pgtype.DriverBytes from QueryRow")
+		}
+	}
+	if !rows.Next() {
+		if err := rows.Err(); err != nil {
+			return err
+		}
+		return pgx.ErrNoRows
+	}
+	_ = rows.Scan(dest...)
+	rows.Close()
+	return rows.Err()
 }
+
+// txRows are the Rows of a Query sent directly; see rideRows.Conn.
+type txRows struct {
+	pgx.Rows
+	tx *claimTx
+}
+
+func (r txRows) Conn() *pgx.Conn { return r.tx.Conn() }
 
 // savepoint is a savepoint inside the claim transaction. Its Commit releases
 // it and its Rollback rolls back to it, as pgx's nested transactions do; it

@@ -21,8 +21,9 @@ import (
 // (tx.Begin) work, and tx is closed (pgx.ErrTxClosed) once the attempt ends.
 //
 // The claim is sent with the effect's first statement when the delivery is
-// almost surely new (the first attempt of a run-scoped identity; see Round
-// trips in the package documentation), which saves a round trip. So on the rare
+// almost surely new (the first attempt of a run-scoped identity, on a
+// connection that caches statements; see Round trips in the package
+// documentation), which saves a round trip. So on the rare
 // duplicate among those, the effect is called and its first call on tx
 // fails: the delivery is a duplicate, that statement ran in a transaction
 // that is rolled back, and whatever the effect returns (or a panic) is

@@ -1,0 +1,439 @@
+package dedupactivity
+
+// This file sends the claim's round trips: the claim's own statements (in
+// store.go) and the effect's first statement when it rides with them. Each
+// round trip is one pgconn batch, written at once and read in order, with the
+// parameters of the claim's statements encoded in binary here. pgx's own
+// batches keep per-statement bookkeeping (a pipeline's request queues, the
+// queued arguments boxed as values) that costs about as much client CPU as
+// the statements themselves; see "What it costs" in docs/design.md.
+//
+// On a connection that caches statements (pgx's default,
+// QueryExecModeCacheStatement) the statements are prepared by name once per
+// connection, the effect's riding statements too; on any other connection
+// they are sent unnamed, parsed each time, so nothing is left prepared on a
+// server connection a pooler may hand to another client, and no statement
+// rides.
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
+)
+
+// stmt is one of the claim's statements: its SQL, the types of its
+// parameters (sent in binary, in this order) and its prepared name.
+type stmt struct {
+	sql    string
+	params []uint32
+	name   string
+	evict  bool // only to be deallocated (connState.prepare)
+}
+
+// Parameter types of the claim's statements.
+const (
+	oidBool        = pgtype.BoolOID
+	oidBytea       = pgtype.ByteaOID
+	oidInt4        = pgtype.Int4OID
+	oidText        = pgtype.TextOID
+	oidOID         = pgtype.OIDOID
+	oidTID         = pgtype.TIDOID
+	oidTimestamptz = pgtype.TimestamptzOID
+)
+
+func newStmt(sql string, params ...uint32) *stmt {
+	sum := sha256.Sum256([]byte(sql))
+	return &stmt{sql: sql, params: params, name: "dedupactivity_" + hex.EncodeToString(sum[:12])}
+}
+
+// Transaction control, prepared like the rest.
+var (
+	beginStmt    = newStmt(`BEGIN ISOLATION LEVEL READ COMMITTED`)
+	commitStmt   = newStmt(`COMMIT`)
+	rollbackStmt = newStmt(`ROLLBACK`)
+)
+
+// binaryFormat asks for every parameter, or every result column, in binary.
+var binaryFormat = []int16{pgtype.BinaryFormatCode}
+
+// maxEffectStmts bounds the effect statements prepared on one connection
+// for riding (the claim's own are few and always kept); the oldest is
+// deallocated to make room.
+const maxEffectStmts = 128
+
+// connState is what the claim keeps on a connection (in its
+// pgconn.CustomData): which statements are prepared there, and the parts of
+// the connection's configuration it needs, read once.
+type connState struct {
+	named   bool            // statements are prepared by name (QueryExecModeCacheStatement)
+	tracer  pgx.BatchTracer // the connection's Tracer, when it traces batches
+	stmts   map[string]*pgconn.StatementDescription
+	effects []string // the SQL of the prepared effect statements, oldest first
+	eqb     pgx.ExtendedQueryBuilder
+	trip    trip // reused: a connection runs one round trip at a time
+}
+
+const connStateKey = "github.com/dedupactivity/dedupactivity/dedupactivity"
+
+func stateOf(conn *pgx.Conn) *connState {
+	data := conn.PgConn().CustomData()
+	if s, ok := data[connStateKey].(*connState); ok {
+		return s
+	}
+	cfg := conn.Config() // a copy: once per connection
+	s := &connState{
+		named: cfg.DefaultQueryExecMode == pgx.QueryExecModeCacheStatement && cfg.StatementCacheCapacity > 0,
+		stmts: make(map[string]*pgconn.StatementDescription),
+	}
+	s.tracer, _ = cfg.Tracer.(pgx.BatchTracer)
+	data[connStateKey] = s
+	return s
+}
+
+// forget drops every statement this package prepared on the connection from
+// its cache, after the server said one is missing or stale (someone ran
+// DEALLOCATE ALL or DISCARD ALL, a pooler moved the session, a table's
+// columns changed): they are deallocated and prepared again on next use.
+func (s *connState) forget() {
+	s.stmts = make(map[string]*pgconn.StatementDescription)
+	s.effects = s.effects[:0]
+}
+
+// stale says whether err means a prepared statement of the connection is
+// missing (26000) or no longer matches its tables (0A000).
+func stale(err error) bool {
+	switch sqlState(err) {
+	case "26000", "0A000":
+		return true
+	}
+	return false
+}
+
+// prepare prepares, in one round trip, those of the claim's statements and
+// of the effect's statement q (an SQL text, or "") that conn does not have
+// yet. Each is deallocated first, which the server does not mind when it
+// has no such statement: a statement of that name left there (the cache was
+// emptied by forget, or a pooler gave the session another server
+// connection) is replaced. It needs conn outside a failed transaction,
+// which the claim's callers ensure. An error preparing q is errNotRidden
+// (wrapping q's own).
+func (s *connState) prepare(ctx context.Context, conn *pgx.Conn, q string, stmts ...*stmt) error {
+	if !s.named {
+		return nil
+	}
+	var todo []*stmt
+	for _, st := range stmts {
+		if s.stmts[st.sql] == nil {
+			todo = append(todo, st)
+		}
+	}
+	if q != "" && s.stmts[q] == nil {
+		if len(s.effects) >= maxEffectStmts {
+			evict := s.effects[0]
+			s.effects = s.effects[1:]
+			delete(s.stmts, evict)
+			todo = append(todo, &stmt{sql: evict, name: newStmt(evict).name, evict: true})
+		}
+		todo = append(todo, newStmt(q))
+	} else {
+		q = ""
+	}
+	if len(todo) == 0 {
+		return nil
+	}
+	p := conn.PgConn().StartPipeline(ctx)
+	for _, st := range todo {
+		p.SendDeallocate(st.name)
+		if !st.evict {
+			p.SendPrepare(st.name, st.sql, st.params)
+		}
+	}
+	err := p.Sync()
+	for _, st := range todo {
+		if err != nil {
+			break
+		}
+		if _, err = p.GetResults(); err != nil || st.evict { // the deallocation
+			continue
+		}
+		if err = s.described(p, st.name, st.sql); err != nil && st.sql == q {
+			err = fmt.Errorf("%w: %w", errNotRidden, err)
+		}
+	}
+	if cerr := p.Close(); err == nil {
+		err = cerr
+	}
+	switch {
+	case err == nil:
+		if q != "" {
+			s.effects = append(s.effects, q)
+		}
+		return nil
+	case errors.Is(err, errNotRidden):
+		return err
+	}
+	return fmt.Errorf("dedupactivity: prepare: %w", err)
+}
+
+// described reads the description of the statement prepared as name.
+func (s *connState) described(p *pgconn.Pipeline, name, sql string) error {
+	res, err := p.GetResults()
+	if err != nil {
+		return err
+	}
+	sd, ok := res.(*pgconn.StatementDescription)
+	if !ok {
+		return fmt.Errorf("dedupactivity: prepare: got %T, not a statement description", res)
+	}
+	sd.Name, sd.SQL = name, sql // the pipeline fills in only the types
+	s.stmts[sql] = sd
+	return nil
+}
+
+// trip is one round trip of the claim on conn: statements queued with add
+// (the claim's) and addQuery (the effect's), sent by send, and their results
+// read in order.
+type trip struct {
+	conn   *pgx.Conn
+	s      *connState
+	b      pgconn.Batch
+	buf    []byte            // the next statement's parameter values, end to end
+	ends   []int             // where each value ends in buf; -1 for NULL
+	vals   [][]byte          // the values, cut from buf by add
+	traced []pgx.QueuedQuery // what the tracer is told, when there is one
+	mrr    *pgconn.MultiResultReader
+	ctx    context.Context
+	err    error // the first error reading the results
+}
+
+// newTrip starts a round trip on conn, reusing the connection's.
+func newTrip(conn *pgx.Conn) *trip {
+	s := stateOf(conn)
+	t := &s.trip
+	if t.mrr != nil {
+		// The last one is still being read: this one fails as pgx's calls
+		// do then (conn busy), without disturbing it.
+		t = &trip{}
+	}
+	*t = trip{conn: conn, s: s, buf: t.buf[:0], ends: t.ends[:0], vals: t.vals[:0]}
+	if t.buf == nil {
+		t.buf = make([]byte, 0, 256) // never nil, so an empty value is empty, not NULL
+	}
+	return t
+}
+
+// Parameter values of the next statement, in its order. A nil []byte is
+// NULL.
+func (t *trip) bytea(b []byte) *trip {
+	if b == nil {
+		t.ends = append(t.ends, -1)
+		return t
+	}
+	t.buf = append(t.buf, b...)
+	return t.end()
+}
+
+func (t *trip) text(s string) *trip {
+	t.buf = append(t.buf, s...)
+	return t.end()
+}
+
+func (t *trip) int4(v int32) *trip {
+	t.buf = binary.BigEndian.AppendUint32(t.buf, uint32(v))
+	return t.end()
+}
+
+func (t *trip) oid(v uint32) *trip {
+	t.buf = binary.BigEndian.AppendUint32(t.buf, v)
+	return t.end()
+}
+
+// timestamptz is sent as microseconds since 2000-01-01 UTC.
+func (t *trip) timestamptz(v time.Time) *trip {
+	us := v.Unix()*1_000_000 + int64(v.Nanosecond())/1000 - 946_684_800_000_000
+	t.buf = binary.BigEndian.AppendUint64(t.buf, uint64(us))
+	return t.end()
+}
+
+func (t *trip) tid(v pgtype.TID) *trip {
+	t.buf = binary.BigEndian.AppendUint32(t.buf, v.BlockNumber)
+	t.buf = binary.BigEndian.AppendUint16(t.buf, v.OffsetNumber)
+	return t.end()
+}
+
+func (t *trip) end() *trip {
+	t.ends = append(t.ends, len(t.buf))
+	return t
+}
+
+// add queues st with the parameter values given since the last add.
+func (t *trip) add(st *stmt) {
+	t.vals = t.vals[:0]
+	start := 0
+	for _, end := range t.ends {
+		if end < 0 {
+			t.vals = append(t.vals, nil)
+			continue
+		}
+		t.vals = append(t.vals, t.buf[start:end:end])
+		start = end
+	}
+	if t.s.named {
+		t.b.ExecStatement(t.s.stmts[st.sql], t.vals, binaryFormat, binaryFormat)
+	} else {
+		t.b.ExecParams(st.sql, t.vals, st.params, binaryFormat, binaryFormat)
+	}
+	// The batch has copied the values.
+	t.buf, t.ends = t.buf[:0], t.ends[:0]
+	if t.s.tracer != nil {
+		t.traced = append(t.traced, pgx.QueuedQuery{SQL: st.sql})
+	}
+}
+
+// addQuery queues the effect's statement sql with its arguments, encoded as
+// pgx would encode them for the statement prepared on the connection (see
+// connState.prepare). Nothing is queued when they cannot be: the error is
+// errNotRidden.
+func (t *trip) addQuery(sql string, args []any) error {
+	sd := t.s.stmts[sql]
+	if err := t.s.eqb.Build(t.conn.TypeMap(), sd, args); err != nil {
+		return fmt.Errorf("%w: %w", errNotRidden, err)
+	}
+	// The batch keeps ResultFormats to read the result with, and eqb reuses
+	// it only in a later round trip.
+	t.b.ExecStatement(sd, t.s.eqb.ParamValues, t.s.eqb.ParamFormats, t.s.eqb.ResultFormats)
+	if t.s.tracer != nil {
+		t.traced = append(t.traced, pgx.QueuedQuery{SQL: sql, Arguments: args})
+	}
+	return nil
+}
+
+// send writes the round trip.
+func (t *trip) send(ctx context.Context) {
+	t.ctx = ctx
+	if t.s.tracer != nil {
+		b := &pgx.Batch{}
+		for i := range t.traced {
+			b.QueuedQueries = append(b.QueuedQueries, &t.traced[i])
+		}
+		t.ctx = t.s.tracer.TraceBatchStart(ctx, t.conn, pgx.TraceBatchStartData{Batch: b})
+	}
+	t.mrr = t.conn.PgConn().ExecBatch(ctx, &t.b)
+}
+
+// next returns the result of the next statement queued, which the caller
+// reads and closes (closeResult) before the next. A statement that failed,
+// or was skipped after one did, has no result: the error is the failure's.
+func (t *trip) next() (*pgconn.ResultReader, error) {
+	if t.err != nil {
+		return nil, t.err
+	}
+	if t.mrr.NextResult() {
+		return t.mrr.ResultReader(), nil
+	}
+	t.err = t.mrr.Close()
+	if t.err == nil {
+		t.err = errors.New("dedupactivity: the server sent fewer results than statements")
+	}
+	t.traceQuery(pgconn.CommandTag{}, t.err)
+	return nil, t.err
+}
+
+// row reads the next statement's result, one row at most: scan gets its
+// columns, in binary, valid only during the call. found says whether there
+// was a row.
+func (t *trip) row(scan func(cols [][]byte) error) (found bool, err error) {
+	rr, err := t.next()
+	if err != nil {
+		return false, err
+	}
+	if rr.NextRow() {
+		found = true
+		err = scan(rr.Values())
+	}
+	if _, cerr := t.closeResult(rr); err == nil {
+		err = cerr
+	}
+	return found, err
+}
+
+// exec reads the next statement's result, its command tag.
+func (t *trip) exec() (pgconn.CommandTag, error) {
+	rr, err := t.next()
+	if err != nil {
+		return pgconn.CommandTag{}, err
+	}
+	return t.closeResult(rr)
+}
+
+// closeResult closes one statement's result and tells the tracer.
+func (t *trip) closeResult(rr *pgconn.ResultReader) (pgconn.CommandTag, error) {
+	tag, err := rr.Close()
+	if err != nil && t.err == nil {
+		t.err = err
+	}
+	t.traceQuery(tag, err)
+	return tag, err
+}
+
+func (t *trip) traceQuery(tag pgconn.CommandTag, err error) {
+	if t.s.tracer == nil || len(t.traced) == 0 {
+		return
+	}
+	q := t.traced[0]
+	t.traced = t.traced[1:]
+	t.s.tracer.TraceBatchQuery(t.ctx, t.conn, pgx.TraceBatchQueryData{SQL: q.SQL, Args: q.Arguments, CommandTag: tag, Err: err})
+}
+
+// close reads what is left of the round trip and returns its first error.
+// A stale prepared statement empties the connection's cache (see forget).
+func (t *trip) close() error {
+	if t.mrr == nil {
+		return t.err
+	}
+	if err := t.mrr.Close(); t.err == nil {
+		t.err = err
+	}
+	for len(t.traced) > 0 { // statements skipped after a failure
+		t.traceQuery(pgconn.CommandTag{}, t.err)
+	}
+	if t.s.tracer != nil {
+		t.s.tracer.TraceBatchEnd(t.ctx, t.conn, pgx.TraceBatchEndData{Err: t.err})
+	}
+	if t.err != nil && stale(t.err) {
+		t.s.forget()
+	}
+	t.mrr = nil
+	return t.err
+}
+
+// Binary result columns.
+
+func colBool(v []byte) (bool, error) {
+	if len(v) != 1 {
+		return false, fmt.Errorf("dedupactivity: bool column of %d bytes", len(v))
+	}
+	return v[0] != 0, nil
+}
+
+func colUint32(v []byte) (uint32, error) {
+	if len(v) != 4 {
+		return 0, fmt.Errorf("dedupactivity: 4-byte column of %d bytes", len(v))
+	}
+	return binary.BigEndian.Uint32(v), nil
+}
+
+func colTID(v []byte) (pgtype.TID, error) {
+	if len(v) != 6 {
+		return pgtype.TID{}, fmt.Errorf("dedupactivity: tid column of %d bytes", len(v))
+	}
+	return pgtype.TID{BlockNumber: binary.BigEndian.Uint32(v), OffsetNumber: binary.BigEndian.Uint16(v[4:]), Valid: true}, nil
+}
