@@ -70,10 +70,10 @@ func (t *claimTx) close() { t.closed.Store(true) }
 
 // send sends the claim's first round trip: the claim, or, with q, the look
 // and q; see Deduper.sendClaim. Its outcome is kept: a duplicate or a failed
-// claim is returned by every later call. If pgx refuses q before sending
-// anything (preparing it, or encoding its arguments, failed), nothing is
-// sent and send returns errNotRidden: the caller sends q on its own, to
-// report its error as q's.
+// claim is returned by every later call. If q cannot ride (it cannot be
+// prepared, its arguments cannot be encoded, or the connection does not
+// cache statements), nothing is sent and send returns errNotRidden: the
+// caller sends q through pgx on its own, which reports q's own error.
 func (t *claimTx) send(ctx context.Context, q *pgx.QueuedQuery) (*trip, error) {
 	tr, ok, err := t.d.sendClaim(ctx, t, q)
 	if errors.Is(err, errNotRidden) {
@@ -250,8 +250,10 @@ func (t *claimTx) LargeObjects() pgx.LargeObjects {
 	}
 	if t.inner == nil {
 		// pgx gives large objects only through a Tx of its own, which it
-		// makes by sending a statement: one that does nothing here.
-		inner, err := t.conn.BeginTx(t.ctx, pgx.TxOptions{BeginQuery: "SELECT 1"})
+		// makes by sending a statement: an empty one, which does nothing,
+		// and which the server takes in a failed transaction too (the
+		// large-object calls then fail there, as any statement would).
+		inner, err := t.conn.BeginTx(t.ctx, pgx.TxOptions{BeginQuery: ";"})
 		if err != nil {
 			return pgx.LargeObjects{}
 		}

@@ -35,7 +35,6 @@ type stmt struct {
 	sql    string
 	params []uint32
 	name   string
-	evict  bool // only to be deallocated (connState.prepare)
 }
 
 // Parameter types of the claim's statements.
@@ -64,21 +63,41 @@ var (
 // binaryFormat asks for every parameter, or every result column, in binary.
 var binaryFormat = []int16{pgtype.BinaryFormatCode}
 
-// maxEffectStmts bounds the effect statements prepared on one connection
-// for riding (the claim's own are few and always kept); the oldest is
-// deallocated to make room.
-const maxEffectStmts = 128
+// maxStmts bounds the statements this package keeps prepared on one
+// connection (the claim's, a dozen per marker table, and the effects'
+// riding statements); the least recently used are deallocated to make
+// room. pgx keeps its own, at most StatementCacheCapacity (512 by default).
+const maxStmts = 256
+
+// maxRefused bounds the effect statements remembered as impossible to
+// prepare (see connState.refused).
+const maxRefused = 64
 
 // connState is what the claim keeps on a connection (in its
 // pgconn.CustomData): which statements are prepared there, and the parts of
 // the connection's configuration it needs, read once.
 type connState struct {
-	named   bool            // statements are prepared by name (QueryExecModeCacheStatement)
-	tracer  pgx.BatchTracer // the connection's Tracer, when it traces batches
-	stmts   map[string]*pgconn.StatementDescription
-	effects []string // the SQL of the prepared effect statements, oldest first
+	named  bool            // statements are prepared by name (QueryExecModeCacheStatement)
+	tracer pgx.BatchTracer // the connection's Tracer, when it traces batches
+	stmts  map[string]*prepared
+	clock  uint64 // counts prepare calls, for prepared.used
+	// drop are names of statements prepared before forget, deallocated by
+	// the next prepare.
+	drop []string
+	// refused are effect statements the server would not prepare (a
+	// missing table, or the name of a statement pgx prepared, which the
+	// server reads as SQL): they do not ride on this connection, so a
+	// failing Parse is not sent with every delivery.
+	refused map[string]bool
 	eqb     pgx.ExtendedQueryBuilder
 	trip    trip // reused: a connection runs one round trip at a time
+}
+
+// prepared is a statement prepared on the connection, and the prepare call
+// that last needed it.
+type prepared struct {
+	sd   *pgconn.StatementDescription
+	used uint64
 }
 
 const connStateKey = "github.com/dedupactivity/dedupactivity/dedupactivity"
@@ -90,21 +109,34 @@ func stateOf(conn *pgx.Conn) *connState {
 	}
 	cfg := conn.Config() // a copy: once per connection
 	s := &connState{
-		named: cfg.DefaultQueryExecMode == pgx.QueryExecModeCacheStatement && cfg.StatementCacheCapacity > 0,
-		stmts: make(map[string]*pgconn.StatementDescription),
+		named:   cfg.DefaultQueryExecMode == pgx.QueryExecModeCacheStatement && cfg.StatementCacheCapacity > 0,
+		stmts:   make(map[string]*prepared),
+		refused: make(map[string]bool),
 	}
 	s.tracer, _ = cfg.Tracer.(pgx.BatchTracer)
 	data[connStateKey] = s
 	return s
 }
 
-// forget drops every statement this package prepared on the connection from
-// its cache, after the server said one is missing or stale (someone ran
-// DEALLOCATE ALL or DISCARD ALL, a pooler moved the session, a table's
-// columns changed): they are deallocated and prepared again on next use.
+// described is the description of the statement sql prepared on the
+// connection, or nil.
+func (s *connState) described(sql string) *pgconn.StatementDescription {
+	if p := s.stmts[sql]; p != nil {
+		return p.sd
+	}
+	return nil
+}
+
+// forget empties the cache, after the server said a statement in it is
+// missing or stale (pgx's DeallocateAll, a pooler that moved the session, a
+// table whose columns changed). Until the next prepare the claim's
+// statements are sent unnamed; that prepare deallocates the old names and
+// prepares again what it needs.
 func (s *connState) forget() {
-	s.stmts = make(map[string]*pgconn.StatementDescription)
-	s.effects = s.effects[:0]
+	for _, p := range s.stmts {
+		s.drop = append(s.drop, p.sd.Name)
+	}
+	clear(s.stmts)
 }
 
 // stale says whether err means a prepared statement of the connection is
@@ -123,68 +155,103 @@ func stale(err error) bool {
 // has no such statement: a statement of that name left there (the cache was
 // emptied by forget, or a pooler gave the session another server
 // connection) is replaced. It needs conn outside a failed transaction,
-// which the claim's callers ensure. An error preparing q is errNotRidden
-// (wrapping q's own).
+// which the claim's callers ensure. When q cannot be prepared (now or
+// before on this connection) the error is errNotRidden: q does not ride.
 func (s *connState) prepare(ctx context.Context, conn *pgx.Conn, q string, stmts ...*stmt) error {
 	if !s.named {
+		if q != "" {
+			return errNotRidden
+		}
 		return nil
 	}
+	s.clock++
 	var todo []*stmt
 	for _, st := range stmts {
-		if s.stmts[st.sql] == nil {
+		if p := s.stmts[st.sql]; p != nil {
+			p.used = s.clock
+		} else {
 			todo = append(todo, st)
 		}
 	}
-	if q != "" && s.stmts[q] == nil {
-		if len(s.effects) >= maxEffectStmts {
-			evict := s.effects[0]
-			s.effects = s.effects[1:]
-			delete(s.stmts, evict)
-			todo = append(todo, &stmt{sql: evict, name: newStmt(evict).name, evict: true})
+	if q != "" {
+		switch p := s.stmts[q]; {
+		case p != nil:
+			p.used = s.clock
+			q = ""
+		case s.refused[q]:
+			return errNotRidden
+		default:
+			todo = append(todo, newStmt(q))
 		}
-		todo = append(todo, newStmt(q))
-	} else {
-		q = ""
 	}
-	if len(todo) == 0 {
+	if len(todo) == 0 && len(s.drop) == 0 {
 		return nil
 	}
+	for len(s.stmts)+len(todo) > maxStmts && s.evict() {
+	}
 	p := conn.PgConn().StartPipeline(ctx)
+	for _, name := range s.drop {
+		p.SendDeallocate(name)
+	}
 	for _, st := range todo {
 		p.SendDeallocate(st.name)
-		if !st.evict {
-			p.SendPrepare(st.name, st.sql, st.params)
-		}
+		p.SendPrepare(st.name, st.sql, st.params)
 	}
 	err := p.Sync()
+	for range s.drop {
+		if err == nil {
+			_, err = p.GetResults()
+		}
+	}
+	if err == nil {
+		s.drop = s.drop[:0]
+	}
 	for _, st := range todo {
 		if err != nil {
 			break
 		}
-		if _, err = p.GetResults(); err != nil || st.evict { // the deallocation
-			continue
+		if _, err = p.GetResults(); err == nil { // the deallocation
+			err = s.readDescription(p, st)
 		}
-		if err = s.described(p, st.name, st.sql); err != nil && st.sql == q {
+		if err != nil && st.sql == q {
+			if errors.As(err, new(*pgconn.PgError)) {
+				if len(s.refused) >= maxRefused {
+					clear(s.refused)
+				}
+				s.refused[q] = true
+			}
 			err = fmt.Errorf("%w: %w", errNotRidden, err)
 		}
 	}
 	if cerr := p.Close(); err == nil {
 		err = cerr
 	}
-	switch {
-	case err == nil:
-		if q != "" {
-			s.effects = append(s.effects, q)
-		}
-		return nil
-	case errors.Is(err, errNotRidden):
+	if err == nil || errors.Is(err, errNotRidden) {
 		return err
 	}
 	return fmt.Errorf("dedupactivity: prepare: %w", err)
 }
 
-// described reads the description of the statement prepared as name.
-func (s *connState) described(p *pgconn.Pipeline, name, sql string) error {
+// evict moves the least recently used statement that this prepare call does
+// not need to drop; false when there is none.
+func (s *connState) evict() bool {
+	var oldest string
+	var at uint64
+	for sql, p := range s.stmts {
+		if p.used < s.clock && (oldest == "" || p.used < at) {
+			oldest, at = sql, p.used
+		}
+	}
+	if oldest == "" {
+		return false
+	}
+	s.drop = append(s.drop, s.stmts[oldest].sd.Name)
+	delete(s.stmts, oldest)
+	return true
+}
+
+// readDescription reads the description of st, just prepared.
+func (s *connState) readDescription(p *pgconn.Pipeline, st *stmt) error {
 	res, err := p.GetResults()
 	if err != nil {
 		return err
@@ -193,8 +260,8 @@ func (s *connState) described(p *pgconn.Pipeline, name, sql string) error {
 	if !ok {
 		return fmt.Errorf("dedupactivity: prepare: got %T, not a statement description", res)
 	}
-	sd.Name, sd.SQL = name, sql // the pipeline fills in only the types
-	s.stmts[sql] = sd
+	sd.Name, sd.SQL = st.name, st.sql // the pipeline fills in only the types
+	s.stmts[st.sql] = &prepared{sd: sd, used: s.clock}
 	return nil
 }
 
@@ -286,9 +353,9 @@ func (t *trip) add(st *stmt) {
 		t.vals = append(t.vals, t.buf[start:end:end])
 		start = end
 	}
-	if t.s.named {
-		t.b.ExecStatement(t.s.stmts[st.sql], t.vals, binaryFormat, binaryFormat)
-	} else {
+	if sd := t.s.described(st.sql); sd != nil {
+		t.b.ExecStatement(sd, t.vals, binaryFormat, binaryFormat)
+	} else { // not prepared here (not named, or forgotten since)
 		t.b.ExecParams(st.sql, t.vals, st.params, binaryFormat, binaryFormat)
 	}
 	// The batch has copied the values.
@@ -303,7 +370,10 @@ func (t *trip) add(st *stmt) {
 // connState.prepare). Nothing is queued when they cannot be: the error is
 // errNotRidden.
 func (t *trip) addQuery(sql string, args []any) error {
-	sd := t.s.stmts[sql]
+	sd := t.s.described(sql)
+	if sd == nil {
+		return errNotRidden
+	}
 	if err := t.s.eqb.Build(t.conn.TypeMap(), sd, args); err != nil {
 		return fmt.Errorf("%w: %w", errNotRidden, err)
 	}
@@ -411,7 +481,7 @@ func (t *trip) close() error {
 	if t.err != nil && stale(t.err) {
 		t.s.forget()
 	}
-	t.mrr = nil
+	t.mrr, t.ctx = nil, nil
 	return t.err
 }
 

@@ -6,17 +6,29 @@ package dedupactivity_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 )
+
+// sqlStateOf is err's SQLSTATE, or "".
+func sqlStateOf(err error) string {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return pgErr.Code
+	}
+	return ""
+}
 
 // preparedByClaim counts the statements the claim prepared on pool's one
 // connection (pg_prepared_statements is the session's own).
@@ -70,39 +82,196 @@ func TestStatementsLostOnTheConnection(t *testing.T) {
 	require.Equal(t, int64(3), b.markers(t))
 }
 
-// TestEffectStatementsPreparedAreBounded: a connection keeps at most 128 of
-// the effects' riding statements prepared, deallocating the oldest, however
-// many different first statements the effects send.
-func TestEffectStatementsPreparedAreBounded(t *testing.T) {
+// TestPreparedStatementsAreBounded: a connection keeps at most 256 of the
+// claim's and the effects' statements prepared, deallocating the least
+// recently used, however many different first statements the effects send
+// and however many marker tables (a Deduper per tenant schema) share it;
+// a claim whose statements were deallocated prepares them again.
+func TestPreparedStatementsAreBounded(t *testing.T) {
+	t.Parallel()
+	t.Run("EffectStatements", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, dedupactivity.Options{})
+		ctx := context.Background()
+		pool, _ := countingPool(t, b, nil)
+		d, err := dedupactivity.New(pool, dedupactivity.Options{})
+		require.NoError(t, err)
+		insert := func(n int) dedupactivity.EffectFunc[Transfer, int64] {
+			return func(ctx context.Context, tx pgx.Tx, in Transfer) (id int64, err error) {
+				return id, tx.QueryRow(ctx, fmt.Sprintf(`INSERT INTO ledger (account, amount) VALUES ($1, $2) RETURNING id /* %d */`, n), in.Account, in.Amount).Scan(&id)
+			}
+		}
+		const n = 270
+		for i := range n {
+			_, outcome, err := dedupactivity.Do(ctx, d, runScoped(fmt.Sprint(i)), Transfer{Account: "a", Amount: 1}, insert(i))
+			require.NoError(t, err, "event %d", i)
+			require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
+		}
+		require.Equal(t, int64(256), preparedByClaim(t, pool))
+		require.Equal(t, int64(n), b.ledgerRows(t))
+		require.Equal(t, int64(n), b.markers(t))
+		// The oldest went, the newest and the claim's own stayed.
+		var newest, oldest, own int64
+		require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE statement LIKE '%/* 269 */%'), count(*) FILTER (WHERE statement LIKE '%/* 0 */%'),
+	count(*) FILTER (WHERE statement LIKE '%dedup_marker%')
+FROM pg_prepared_statements WHERE name LIKE 'dedupactivity\_%'`).Scan(&newest, &oldest, &own))
+		require.Equal(t, int64(1), newest)
+		require.Zero(t, oldest)
+		require.Positive(t, own)
+	})
+	t.Run("MarkerTables", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, dedupactivity.Options{})
+		ctx := context.Background()
+		pool, _ := countingPool(t, b, nil)
+		const tenants = 40 // a dozen statements each
+		var ds []*dedupactivity.Deduper
+		for i := range tenants {
+			schema := fmt.Sprintf("%s_tenant%d", b.schema.Name, i)
+			_, err := pool.Exec(ctx, `CREATE SCHEMA `+schema)
+			require.NoError(t, err)
+			d, err := dedupactivity.New(pool, dedupactivity.Options{Schema: schema})
+			require.NoError(t, err)
+			require.NoError(t, d.Migrate(ctx))
+			ds = append(ds, d)
+		}
+		for round := range 2 { // the second round finds the first tenants' statements deallocated
+			for i, d := range ds {
+				_, outcome, err := dedupactivity.Do(ctx, d, runScoped(fmt.Sprint(round)), Transfer{Account: "a", Amount: 1}, b.post)
+				require.NoError(t, err, "tenant %d, round %d", i, round)
+				require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
+				require.LessOrEqual(t, preparedByClaim(t, pool), int64(256))
+			}
+		}
+		require.Equal(t, int64(2*tenants), b.ledgerRows(t))
+	})
+}
+
+// TestStaleRidingStatement: the effect's first statement, prepared by the
+// claim, no longer matches its table (SQLSTATE 0A000, a column was added).
+// A duplicate whose claim rode with it still returns the stored result; a
+// new event gets the error, which is retryable, and the next delivery
+// prepares the statement again, deallocating the stale one.
+func TestStaleRidingStatement(t *testing.T) {
 	t.Parallel()
 	b := setup(t, dedupactivity.Options{})
 	ctx := context.Background()
 	pool, _ := countingPool(t, b, nil)
 	d, err := dedupactivity.New(pool, dedupactivity.Options{})
 	require.NoError(t, err)
-	insert := func(n int) dedupactivity.EffectFunc[Transfer, int64] {
-		return func(ctx context.Context, tx pgx.Tx, in Transfer) (id int64, err error) {
-			return id, tx.QueryRow(ctx, fmt.Sprintf(`INSERT INTO ledger (account, amount) VALUES ($1, $2) RETURNING id /* %d */`, n), in.Account, in.Amount).Scan(&id)
-		}
-	}
-	_, _, err = dedupactivity.Do(ctx, d, runScoped("warm"), Transfer{Account: "a", Amount: 1}, insert(-1))
+	_, err = pool.Exec(ctx, `CREATE TABLE wide (id int PRIMARY KEY, v int); INSERT INTO wide VALUES (1, 2)`)
 	require.NoError(t, err)
-	own := preparedByClaim(t, pool) - 1 // the claim's own, without the warm-up's effect statement
-	const n = 140
-	for i := range n {
-		_, outcome, err := dedupactivity.Do(ctx, d, runScoped(fmt.Sprint(i)), Transfer{Account: "a", Amount: 1}, insert(i))
-		require.NoError(t, err, "event %d", i)
-		require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
+	effect := func(ctx context.Context, tx pgx.Tx, in Transfer) (int64, error) {
+		rows, _ := tx.Query(ctx, `SELECT * FROM wide WHERE id = $1`, 1)
+		rows.Close()
+		if err := rows.Err(); err != nil {
+			return 0, err
+		}
+		var id int64
+		err := tx.QueryRow(ctx, `INSERT INTO ledger (account, amount) VALUES ($1, $2) RETURNING id`, in.Account, in.Amount).Scan(&id)
+		return id, err
 	}
-	require.Equal(t, own+128, preparedByClaim(t, pool))
-	require.Equal(t, int64(n+1), b.ledgerRows(t))
-	require.Equal(t, int64(n+1), b.markers(t))
-	// The oldest were deallocated; the newest are still prepared.
-	var newest, oldest int64
-	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE statement LIKE '%/* 139 */%'), count(*) FILTER (WHERE statement LIKE '%/* 0 */%')
-FROM pg_prepared_statements WHERE name LIKE 'dedupactivity\_%'`).Scan(&newest, &oldest))
-	require.Equal(t, int64(1), newest)
-	require.Zero(t, oldest)
+	in := Transfer{Account: "a", Amount: 1}
+	first, outcome, err := dedupactivity.Do(ctx, d, runScoped("x"), in, effect)
+	require.NoError(t, err)
+	require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
+	prepared := preparedByClaim(t, pool)
+
+	_, err = pool.Exec(ctx, `ALTER TABLE wide ADD COLUMN w int`)
+	require.NoError(t, err)
+	dup, outcome, err := dedupactivity.Do(ctx, d, runScoped("x"), in, effect)
+	require.NoError(t, err)
+	require.Equal(t, dedupactivity.OutcomeDuplicate, outcome)
+	require.Equal(t, first, dup)
+
+	// The duplicate found the statement stale: the next delivery prepares
+	// it again.
+	_, outcome, err = dedupactivity.Do(ctx, d, runScoped("y"), in, effect)
+	require.NoError(t, err)
+	require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
+
+	_, err = pool.Exec(ctx, `ALTER TABLE wide ADD COLUMN z int`)
+	require.NoError(t, err)
+	_, outcome, err = dedupactivity.Do(ctx, d, runScoped("z"), in, effect)
+	require.Equal(t, "0A000", sqlStateOf(err), "%v", err)
+	require.Equal(t, dedupactivity.OutcomeEffectError, outcome)
+	_, outcome, err = dedupactivity.Do(ctx, d, runScoped("z"), in, effect)
+	require.NoError(t, err)
+	require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
+	require.Equal(t, prepared, preparedByClaim(t, pool), "the stale statements were deallocated")
+	require.Equal(t, int64(3), b.ledgerRows(t))
+	require.Equal(t, int64(3), b.markers(t))
+}
+
+// TestFirstStatementThatCannotBePrepared: an effect's first statement that
+// the server will not prepare (here the name of a statement pgx prepared on
+// the connection, which pgx runs as that statement) is tried once per
+// connection, then goes through pgx after the claim, as on a connection
+// that does not cache statements.
+func TestFirstStatementThatCannotBePrepared(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	ctx := context.Background()
+	pool, writes := countingPool(t, b, func(c *pgxpool.Config) {
+		c.AfterConnect = func(ctx context.Context, conn *pgx.Conn) error {
+			_, err := conn.Prepare(ctx, "ins", `INSERT INTO ledger (account, amount) VALUES ($1, $2)`)
+			return err
+		}
+	})
+	d, err := dedupactivity.New(pool, dedupactivity.Options{})
+	require.NoError(t, err)
+	effect := func(ctx context.Context, tx pgx.Tx, in Transfer) (int, error) {
+		_, err := tx.Exec(ctx, "ins", in.Account, in.Amount)
+		return 0, err
+	}
+	_, _, err = dedupactivity.Do(ctx, d, runScoped("warm"), Transfer{Account: "a", Amount: 1}, b.post)
+	require.NoError(t, err)
+	var rts []int64
+	for i := range 3 {
+		before := writes.Load()
+		_, outcome, err := dedupactivity.Do(ctx, d, runScoped(fmt.Sprint(i)), Transfer{Account: "a", Amount: 1}, effect)
+		require.NoError(t, err)
+		require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
+		rts = append(rts, writes.Load()-before)
+	}
+	require.Equal(t, []int64{4, 3, 3}, rts, "a failed prepare once, then: BEGIN and claim; the statement; result and COMMIT")
+	require.Equal(t, int64(4), b.ledgerRows(t))
+}
+
+// TestReplacedConnectionInAnotherMode: a connection that caches statements
+// died while idle, and the pool's BeforeConnect gives its replacement
+// another exec mode: the claim goes first there, and the effect's
+// statement through pgx.
+func TestReplacedConnectionInAnotherMode(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	ctx := context.Background()
+	var connects atomic.Int32
+	pool, _ := countingPool(t, b, func(c *pgxpool.Config) {
+		c.ShouldPing = func(context.Context, pgxpool.ShouldPingParams) bool { return false }
+		c.BeforeConnect = func(_ context.Context, cc *pgx.ConnConfig) error {
+			if connects.Add(1) > 1 {
+				cc.DefaultQueryExecMode = pgx.QueryExecModeExec
+			}
+			return nil
+		}
+	})
+	d, err := dedupactivity.New(pool, dedupactivity.Options{})
+	require.NoError(t, err)
+	_, _, err = dedupactivity.Do(ctx, d, runScoped("warm"), Transfer{Account: "a", Amount: 1}, b.post)
+	require.NoError(t, err)
+	var pid uint32
+	require.NoError(t, pool.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid))
+	_, err = b.pool.Exec(ctx, `SELECT pg_terminate_backend($1, 5000)`, pid)
+	require.NoError(t, err)
+
+	_, outcome, err := dedupactivity.Do(ctx, d, runScoped("1"), Transfer{Account: "a", Amount: 1}, b.post)
+	require.NoError(t, err)
+	require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
+	require.Equal(t, int32(2), connects.Load())
+	require.Zero(t, preparedByClaim(t, pool))
+	require.Equal(t, int64(2), b.ledgerRows(t))
+	require.Equal(t, int64(2), b.markers(t))
 }
 
 // batchTracer records what a pgx BatchTracer and QueryTracer are told.
@@ -231,4 +400,29 @@ func TestOtherExecModesPrepareNothing(t *testing.T) {
 			require.Equal(t, int64(2), b.ledgerRows(t))
 		})
 	}
+}
+
+// TestLargeObjectsAfterAFailedStatement: large objects asked for after a
+// statement of the effect failed fail as any statement would then
+// (SQLSTATE 25P02), without a panic, and nothing commits.
+func TestLargeObjectsAfterAFailedStatement(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	ctx := context.Background()
+	key := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "lo"}
+	var loErr error
+	_, outcome, err := dedupactivity.Do(ctx, b.d, key, Transfer{}, func(ctx context.Context, tx pgx.Tx, in Transfer) (int, error) {
+		if _, err := tx.Exec(ctx, `INSERT INTO ledger (account, amount) VALUES ($1, $2)`, "a", 1); err != nil {
+			return 0, err
+		}
+		_, _ = tx.Exec(ctx, `SELECT 1/0`) // failed, and ignored
+		lo := tx.LargeObjects()
+		_, loErr = lo.Create(ctx, 0)
+		return 0, loErr
+	})
+	require.Equal(t, "25P02", sqlStateOf(loErr), "%v", loErr)
+	require.ErrorIs(t, err, loErr)
+	require.Equal(t, dedupactivity.OutcomeEffectError, outcome)
+	require.Zero(t, b.ledgerRows(t))
+	require.Zero(t, b.markers(t))
 }
