@@ -52,8 +52,9 @@ type store struct {
 	partitioned bool
 
 	// insert claims the event in one statement: it sets the claim's
-	// lock_timeout (saving the transaction's own in a custom setting) in
-	// its FROM clause, so before the insert can wait; inserts the marker
+	// lock_timeout (saving the transaction's own in a custom setting, the
+	// two calls in that order as the operands of ||) in its WHERE clause,
+	// so before the insert can wait; inserts the marker
 	// with ON CONFLICT DO NOTHING, which waits for a concurrent transaction
 	// that inserted the same key (if that one commits, this one inserts
 	// nothing: a duplicate; if it rolls back, this one inserts); and in
@@ -66,7 +67,7 @@ type store struct {
 	restoreLockTimeout *stmt
 	// insertLast inserts the whole marker, result included, just before
 	// COMMIT, for a claim that went as a look (see claimTx). It sets the
-	// claim wait as lock_timeout in its FROM clause, before it can wait for
+	// claim wait as lock_timeout in its WHERE clause, before it can wait for
 	// a concurrent transaction that inserted the same key; if that one
 	// commits, the insert fails (unique_violation): a duplicate, and the
 	// COMMIT behind it commits nothing. Nothing follows but COMMIT, so the
@@ -113,11 +114,11 @@ type store struct {
 }
 
 func newStore(table, ended, moved string, partitioned bool, defaultPartition string) *store {
-	keyCol, keyVal, completeCond, readCond, lookCond, pruned := ``, ``, ``, ``, ``, table
+	keyCol, keyVal, completeCond, keyCond, pruned := ``, ``, ``, ``, table
 	lastOID, completeOID := `$8`, `$4` // the parameter of the claim's table OID
 	if partitioned {
 		keyCol, keyVal, pruned = `, scheduled_at`, `, $8::timestamptz`, defaultPartition
-		completeCond, readCond, lookCond = ` AND scheduled_at = $4`, ` AND scheduled_at = $2`, ` AND m.scheduled_at = $2`
+		completeCond, keyCond = ` AND scheduled_at = $4`, ` AND scheduled_at = $2`
 		lastOID, completeOID = `$9`, `$5`
 	}
 	// self is the OID of the table the name resolves to, under the
@@ -138,14 +139,12 @@ func newStore(table, ended, moved string, partitioned bool, defaultPartition str
 		partitioned: partitioned,
 		insert: newStmt(`INSERT INTO `+table+` (id_hash, attempt, expires_at, activity_type, fingerprint, result`+keyCol+`)
 SELECT $1::bytea, $2::int4, $3::timestamptz, $4::text, $5::bytea, $6::bytea`+keyVal+`
-FROM (SELECT set_config('dedupactivity.lock_timeout', current_setting('lock_timeout'), true),
-	set_config('lock_timeout', $7, true)) AS claim_wait
+WHERE (set_config('dedupactivity.lock_timeout', current_setting('lock_timeout'), true) || set_config('lock_timeout', $7, true)) IS NOT NULL
 ON CONFLICT DO NOTHING
 RETURNING ctid, pg_current_xact_id()::text, set_config('lock_timeout', current_setting('dedupactivity.lock_timeout'), true), `+self, marker...),
 		insertLast: newStmt(`INSERT INTO `+table+` (id_hash, attempt, expires_at, activity_type, fingerprint, result`+keyCol+`)
 SELECT $1::bytea, $2::int4, $3::timestamptz, $4::text, $5::bytea, $6::bytea`+keyVal+`
-FROM (SELECT set_config('lock_timeout', $7, true)) AS claim_wait
-WHERE (SELECT CASE WHEN `+self+` = `+lastOID+`::oid THEN true ELSE `+moved+`() END)`, slices.Concat(marker, []uint32{oidOID})...),
+WHERE set_config('lock_timeout', $7, true) IS NOT NULL AND CASE WHEN `+self+` = `+lastOID+`::oid THEN true ELSE `+moved+`() END`, slices.Concat(marker, []uint32{oidOID})...),
 		restoreLockTimeout: newStmt(`SELECT set_config('lock_timeout', current_setting('dedupactivity.lock_timeout'), true)`),
 		complete: newStmt(`UPDATE `+table+` SET result = $2 WHERE ctid = $1`+completeCond+` AND (SELECT CASE
 	WHEN pg_current_xact_id() <> $3::text::xid8 THEN `+ended+`()
@@ -155,9 +154,8 @@ WHERE (SELECT CASE WHEN `+self+` = `+lastOID+`::oid THEN true ELSE `+moved+`() E
 		// bytea read as hex text: pgx decodes bytea text only in the hex
 		// output format, and ClaimTx's statements on a connection of pgx's
 		// simple protocol read text whatever bytea_output says.
-		read: newStmt(`SELECT encode(fingerprint, 'hex'), encode(result, 'hex'), attempt, xmin::text FROM `+table+` WHERE id_hash = $1`+readCond, key...),
-		look: newStmt(`SELECT m.id_hash IS NOT NULL, current_setting('transaction_read_only') = 'on', `+self+`
-FROM (SELECT) AS one LEFT JOIN `+table+` AS m ON m.id_hash = $1`+lookCond, key...),
+		read:   newStmt(`SELECT encode(fingerprint, 'hex'), encode(result, 'hex'), attempt, xmin::text FROM `+table+` WHERE id_hash = $1`+keyCond, key...),
+		look:   newStmt(`SELECT EXISTS (SELECT FROM `+table+` WHERE id_hash = $1`+keyCond+`), current_setting('transaction_read_only') = 'on', `+self, key...),
 		self:   newStmt(`SELECT ` + self),
 		exists: `SELECT EXISTS (SELECT 1 FROM ` + table + ` WHERE id_hash = $1)`,
 		result: `SELECT encode(result, 'hex') FROM ` + table + ` WHERE id_hash = $1 LIMIT 1`,

@@ -344,7 +344,7 @@ func TestTracerSeesTheClaim(t *testing.T) {
 	first, last := tracer.batches[0], tracer.batches[1]
 	require.Len(t, first, 3)
 	require.Equal(t, "BEGIN ISOLATION LEVEL READ COMMITTED", first[0])
-	require.Contains(t, first[1], `LEFT JOIN "dedup_marker"`)
+	require.Contains(t, first[1], `SELECT EXISTS (SELECT FROM "dedup_marker"`)
 	require.Equal(t, `INSERT INTO ledger (account, amount) VALUES ($1, $2) RETURNING id`, first[2])
 	require.Len(t, last, 2)
 	require.Contains(t, last[0], `INSERT INTO "dedup_marker"`)

@@ -79,8 +79,7 @@ func (b *bench) begin(ctx context.Context) (*pgxpool.Conn, *pgx.Batch, error) {
 func claimSQL(table string) string {
 	return `INSERT INTO ` + table + ` (id_hash, attempt, expires_at, activity_type, fingerprint, result)
 SELECT $1::bytea, $2::int4, $3::timestamptz, $4::text, $5::bytea, $6::bytea
-FROM (SELECT set_config('dedupactivity.lock_timeout', current_setting('lock_timeout'), true),
-	set_config('lock_timeout', $7, true)) AS claim_wait
+WHERE (set_config('dedupactivity.lock_timeout', current_setting('lock_timeout'), true) || set_config('lock_timeout', $7, true)) IS NOT NULL
 ON CONFLICT DO NOTHING
 RETURNING ctid, pg_current_xact_id()::text, set_config('lock_timeout', current_setting('dedupactivity.lock_timeout'), true), ` + self(table)
 }
@@ -93,7 +92,7 @@ func self(table string) string { return `'` + table + `'::regclass::oid` }
 // (dedupactivity/store.go), through dedup_marker's function (dedup_noidx is
 // a copy of dedup_marker's table alone).
 func sameTable(table, n string) string {
-	return `(SELECT CASE WHEN ` + self(table) + ` = ` + n + `::oid THEN true ELSE "dedup_marker_moved"() END)`
+	return `CASE WHEN ` + self(table) + ` = ` + n + `::oid THEN true ELSE "dedup_marker_moved"() END`
 }
 
 // byHandOn issues dedupactivity's claim SQL (the statements of
@@ -193,8 +192,7 @@ func (b *bench) byHandOf(ctx context.Context, table string, look bool, key strin
 	}
 	defer conn.Release()
 	if look {
-		batch.Queue(`SELECT m.id_hash IS NOT NULL, current_setting('transaction_read_only') = 'on', `+self(table)+`
-FROM (SELECT) AS one LEFT JOIN `+table+` AS m ON m.id_hash = $1`, h[:])
+		batch.Queue(`SELECT EXISTS (SELECT FROM `+table+` WHERE id_hash = $1), current_setting('transaction_read_only') = 'on', `+self(table), h[:])
 	}
 	var r receipt
 	batch.Queue(insertLedgerSQL, in.Key, in.Account, in.Amount)
@@ -226,10 +224,10 @@ FROM (SELECT) AS one LEFT JOIN `+table+` AS m ON m.id_hash = $1`, h[:])
 	}
 	insert := `INSERT INTO ` + table + ` (id_hash, attempt, expires_at, activity_type, fingerprint, result)
 SELECT $1::bytea, $2::int4, $3::timestamptz, $4::text, $5::bytea, $6::bytea
-FROM (SELECT set_config('lock_timeout', $7, true)) AS claim_wait`
+WHERE set_config('lock_timeout', $7, true) IS NOT NULL`
 	args := []any{h[:], int32(1), time.Now().Add(30 * 24 * time.Hour), "Post", nil, encode(r), "30000ms"}
 	if look { // the table the look read
-		insert += "\nWHERE " + sameTable(table, "$8")
+		insert += " AND " + sameTable(table, "$8")
 		args = append(args, oid)
 	}
 	batch = &pgx.Batch{}

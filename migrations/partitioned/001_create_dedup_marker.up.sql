@@ -15,8 +15,7 @@ CREATE TABLE IF NOT EXISTS "dedup_marker" (
     "activity_type" text        NOT NULL,
     "fingerprint"   bytea,
     "result"        bytea,
-    CONSTRAINT "dedup_marker_pkey" PRIMARY KEY ("id_hash", "scheduled_at"),
-    CONSTRAINT "dedup_marker_id_hash_len" CHECK (octet_length("id_hash") = 32)
+    CONSTRAINT "dedup_marker_pkey" PRIMARY KEY ("id_hash", "scheduled_at")
 ) PARTITION BY RANGE ("scheduled_at");
 
 -- Catches scheduled times outside the partitions made ahead of time; pruned
