@@ -34,7 +34,7 @@ DEPS_PACKAGES := postgresql prometheus pgbouncer
 
 .PHONY: help
 help: ## Show this help.
-	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-13s\033[0m %s\n", $$1, $$2}'
+	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-20s\033[0m %s\n", $$1, $$2}'
 
 $(TEMPORAL):
 	@echo "building the temporal CLI $(TEMPORAL_CLI_VERSION) into bin/ (about 5 minutes, once)"
@@ -90,6 +90,10 @@ test: deps $(TEMPORAL) $(JAEGER) ## Run all tests (race detector) against real P
 .PHONY: bench
 bench: deps $(TEMPORAL) ## Benchmarks: dedupactivity vs bare / status-record / check-then-insert; writes docs/bench.md and docs/bench.png.
 	$(GO) run ./cmd/bench $(BENCH_FLAGS)
+
+.PHONY: bench-instructions
+bench-instructions: deps ## Instructions per event, client and server, counted by valgrind (the same on a busy machine); BENCH_ROWS="row;row" picks rows.
+	cmd/bench/instructions.sh $(if $(BENCH_ROWS),"$(BENCH_ROWS)")
 
 .PHONY: chaos
 chaos: deps $(TEMPORAL) ## Chaos run (~2 min): worker SIGKILLs, backend kills, redeliveries, a PostgreSQL restart; at the outbox: dropped responses, relays killed before ack, two relays per message, destination outages. CHAOS_FLAGS for longer soaks.

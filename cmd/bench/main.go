@@ -55,6 +55,7 @@ type config struct {
 	tRounds    int
 	ledgerRows int
 	only       string
+	serial     int
 }
 
 const accounts = 1000
@@ -74,6 +75,7 @@ func run() error {
 	flag.IntVar(&cfg.prune, "prune", 1_000_000, "expired markers to prune while measuring claims (0: skip)")
 	cpuprofile := flag.String("cpuprofile", "", "write this process's CPU profile to the file (with -only, say)")
 	flag.StringVar(&cfg.only, "only", "", "semicolon-separated approach names to run (default: all)")
+	flag.IntVar(&cfg.serial, "serial", 0, "deliver this many new events one after another with the one -only approach, print its allocations per event and exit: a fixed load to count instructions with valgrind (docs/design.md)")
 	flag.IntVar(&cfg.ledgerRows, "effect-rows", 1, "ledger rows the effect inserts per event, one statement each (the issue's effect: 1)")
 	flag.Parse()
 	if cfg.ledgerRows < 1 {
@@ -127,6 +129,13 @@ func run() error {
 	if cfg.only != "" {
 		keep := strings.Split(cfg.only, ";")
 		approaches = slices.DeleteFunc(approaches, func(a approach) bool { return !slices.Contains(keep, a.name) })
+	}
+
+	if cfg.serial > 0 {
+		if len(approaches) != 1 {
+			return fmt.Errorf("-serial needs exactly one approach in -only, got %d", len(approaches))
+		}
+		return serial(ctx, approaches[0], cfg.serial)
 	}
 
 	fmt.Println("round trips per event ...")
@@ -214,6 +223,26 @@ func run() error {
 		}
 	}
 	return rep.write()
+}
+
+// serial delivers n new events one after another with a and prints the
+// heap allocations per event. Run under valgrind --tool=callgrind twice
+// (two values of n), the difference in instructions divided by the
+// difference in n is the approach's cost per event, whatever the machine is
+// doing meanwhile.
+func serial(ctx context.Context, a approach, n int) error {
+	var before, after runtime.MemStats
+	runtime.ReadMemStats(&before)
+	for i := range n {
+		key := fmt.Sprintf("serial-%d", i)
+		if _, err := a.deliver(ctx, key, newPosting(key)); err != nil {
+			return fmt.Errorf("%s: event %d: %w", a.name, i, err)
+		}
+	}
+	runtime.ReadMemStats(&after)
+	fmt.Printf("%s: %d events, %.1f allocations and %.0f bytes allocated per event\n", a.name, n,
+		float64(after.Mallocs-before.Mallocs)/float64(n), float64(after.TotalAlloc-before.TotalAlloc)/float64(n))
+	return nil
 }
 
 func openPool(ctx context.Context, url string, maxConns int32, writes *atomic.Int64) (*pgxpool.Pool, error) {
