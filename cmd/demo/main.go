@@ -228,7 +228,10 @@ func showTraces(ctx context.Context, j *obstest.Jaeger, tel *ledgerworker.Teleme
 		}
 		time.Sleep(500 * time.Millisecond)
 	}
-	summary, err := j.Summary(ctx, demoService, 2*workflows)
+	// Every trace the run left: its workflows, their activities, and the
+	// relay's and pruner's own, which can outnumber the workflows many
+	// times; fewer could leave out the redelivered ones.
+	summary, err := j.Summary(ctx, demoService, 1000)
 	if err != nil {
 		return fmt.Errorf("jaeger: %w", err)
 	}
