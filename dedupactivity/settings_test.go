@@ -85,6 +85,9 @@ func TestAnySessionSettingAndExecMode(t *testing.T) {
 		"RepeatableReadAndEscape":  {"default_transaction_isolation": "repeatable read", "bytea_output": "escape"},
 		"SerializableDeferrable":   {"default_transaction_deferrable": "on", "default_transaction_isolation": "serializable"},
 		"ApplicationNameAndSearch": {"application_name": "dedup-test", "search_path": `"$user"`},
+		// The claim's statements are prepared once per connection: run
+		// their generic plans from the first execution.
+		"GenericPlansAndLockTimeout": {"plan_cache_mode": "force_generic_plan", "lock_timeout": "1ms"},
 	}
 	i := 0
 	for name, params := range settings {

@@ -12,6 +12,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -425,4 +426,47 @@ func TestLargeObjectsAfterAFailedStatement(t *testing.T) {
 	require.Equal(t, dedupactivity.OutcomeEffectError, outcome)
 	require.Zero(t, b.ledgerRows(t))
 	require.Zero(t, b.markers(t))
+}
+
+// TestClaimWaitWithGenericPlans: the claim's wait for a concurrent attempt
+// stays bounded when its prepared statements run generic plans (after five
+// executions PostgreSQL may switch to them; plan_cache_mode forces them
+// here), for a claim that goes first and for the marker inserted at COMMIT
+// after a look.
+func TestClaimWaitWithGenericPlans(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	ctx := context.Background()
+	pool, _ := countingPool(t, b, func(c *pgxpool.Config) {
+		c.ConnConfig.RuntimeParams["plan_cache_mode"] = "force_generic_plan"
+	})
+	d, err := dedupactivity.New(pool, dedupactivity.Options{ClaimWait: 300 * time.Millisecond})
+	require.NoError(t, err)
+	in := Transfer{Account: "a", Amount: 1}
+	for name, id := range map[string]dedupactivity.Identity{
+		"ClaimFirst": {Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "generic"},
+		"Riding":     runScoped("generic"),
+	} {
+		func() {
+			// Another transaction holds the event's key, uncommitted.
+			holder, err := b.pool.Begin(ctx)
+			require.NoError(t, err)
+			defer holder.Rollback(ctx) // also when a check below fails
+			_, err = holder.Exec(ctx, `INSERT INTO dedup_marker (id_hash, attempt, expires_at, activity_type) VALUES ($1, 1, now() + interval '1 hour', 'Post')`, hashOf(id))
+			require.NoError(t, err)
+			began := time.Now()
+			wctx, cancel := context.WithTimeout(ctx, 6*time.Second) // an unbounded wait ends here
+			defer cancel()
+			_, _, err = dedupactivity.Do(wctx, d, id, in, b.post)
+			require.ErrorIs(t, err, dedupactivity.ErrClaimTimeout, name)
+			require.Less(t, time.Since(began), 3*time.Second, name)
+		}()
+		_, outcome, err := dedupactivity.Do(ctx, d, id, in, b.post)
+		require.NoError(t, err, name)
+		require.Equal(t, dedupactivity.OutcomeClaimed, outcome, name)
+	}
+	var mode string
+	require.NoError(t, pool.QueryRow(ctx, `SHOW plan_cache_mode`).Scan(&mode))
+	require.Equal(t, "force_generic_plan", mode)
+	require.Equal(t, int64(2), b.ledgerRows(t))
 }

@@ -13,7 +13,7 @@ CREATE TABLE IF NOT EXISTS "dedup_marker" (
     -- not stored: spans carry this hash beside the Temporal IDs. Its length
     -- has no CHECK: PostgreSQL builds a CHECK's expression again for every
     -- INSERT and UPDATE statement, which cost the claim 5% to 9% of its
-    -- server CPU (docs/design.md, "What it costs").
+    -- server instructions (docs/design.md, "What it costs").
     "id_hash"       bytea       NOT NULL,
     "attempt"       integer     NOT NULL,
     "claimed_at"    timestamptz NOT NULL DEFAULT now(),
