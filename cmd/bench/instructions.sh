@@ -8,8 +8,10 @@
 #
 # Usage: cmd/bench/instructions.sh ["row;row;..."]   (default: the core rows)
 # Each row runs SMALL and then LARGE serial events (cmd/bench -serial; default
-# 500 and 2500), with the server under callgrind; the counts' difference over
-# LARGE-SMALL is the cost per event, warm-up and setup left out.
+# 500 and 2500) twice: the client under callgrind against a plain server,
+# then the client plain against a server under callgrind; the counts'
+# difference over LARGE-SMALL is the cost per event, warm-up and setup left
+# out.
 # Needs valgrind (Debian: apt-get install valgrind) and the PostgreSQL server
 # binaries (make deps). Runs as root (the server as user postgres) or as a
 # user that can run initdb.
@@ -28,35 +30,43 @@ psql="$bindir/psql"
 tmp=$(mktemp -d)
 as_pg() { if [ "$(id -u)" = 0 ]; then su postgres -c "$*"; else bash -c "$*"; fi; }
 [ "$(id -u)" = 0 ] && chown postgres "$tmp"
-# The server listens on a socket in tmp only, so nothing else can be reached
-# by mistake.
-sql() { "$psql" -h "$tmp" -p 5432 -U postgres -Atqc "$1"; }
+# Two servers, each on a socket in tmp only, so nothing else can be reached
+# by mistake: one under callgrind to count the server's instructions, one
+# plain, so that the client is counted against a server at full speed (a
+# slow server would have the client's runtime spin and schedule more).
+sql() { "$psql" -h "$tmp" -p "$1" -U postgres -Atqc "$2"; }
 cleanup() {
-  if [ -f "$tmp/data/postmaster.pid" ]; then
-    as_pg "$bindir/pg_ctl -D $tmp/data -m fast -w -t 120 stop" >/dev/null 2>&1 || true
-  fi
+  for d in cg plain; do
+    [ -f "$tmp/$d/postmaster.pid" ] && as_pg "$bindir/pg_ctl -D $tmp/$d -m fast -w -t 120 stop" >/dev/null 2>&1
+  done
+  # valgrind writes the last counts after the pid file is gone.
+  for _ in $(seq 60); do pgrep -f -- "-D $tmp/" >/dev/null || break; sleep 0.5; done
   rm -rf "$tmp"
 }
 trap cleanup EXIT
 
 go build -o "$tmp/bench" ./cmd/bench
-as_pg "$bindir/initdb -D $tmp/data -U postgres -A trust --no-sync -E UTF8 --locale=C >/dev/null"
+opts="-c listen_addresses= -c fsync=off -c synchronous_commit=off -c autovacuum=off -c shared_buffers=256MB"
+for d in cg plain; do
+  as_pg "$bindir/initdb -D $tmp/$d -U postgres -A trust --no-sync -E UTF8 --locale=C >/dev/null"
+done
 mkdir -p "$tmp/server" && { [ "$(id -u)" != 0 ] || chown postgres "$tmp/server"; }
-# The server under callgrind: every backend writes its count when it exits.
-as_pg "nohup valgrind --tool=callgrind --callgrind-out-file=$tmp/server/cg.%p $bindir/postgres -D $tmp/data -p 5432 -k $tmp \
-  -c listen_addresses= -c fsync=off -c synchronous_commit=off -c autovacuum=off -c shared_buffers=256MB >$tmp/server.log 2>&1 &"
-for _ in $(seq 120); do sql 'SELECT 1' >/dev/null 2>&1 && break; sleep 1; done
-sql 'SELECT 1' >/dev/null || { echo "PostgreSQL under valgrind did not start:" >&2; cat "$tmp/server.log" >&2; exit 1; }
+# Under callgrind every backend writes its count when it exits.
+as_pg "nohup valgrind --tool=callgrind --callgrind-out-file=$tmp/server/cg.%p $bindir/postgres -D $tmp/cg -p 5432 -k $tmp $opts >$tmp/cg.log 2>&1 &"
+as_pg "$bindir/pg_ctl -D $tmp/plain -l $tmp/plain.log -w -o '-p 5433 -k $tmp $opts' start >/dev/null"
+for _ in $(seq 120); do sql 5432 'SELECT 1' >/dev/null 2>&1 && break; sleep 1; done
+sql 5432 'SELECT 1' >/dev/null || { echo "PostgreSQL under valgrind did not start:" >&2; cat "$tmp/cg.log" >&2; exit 1; }
 
 # The postmaster's children when idle (its own processes); a backend that
 # exits has written its count.
-pm=$(head -n 1 "$tmp/data/postmaster.pid")
+pm=$(head -n 1 "$tmp/cg/postmaster.pid")
 children() { pgrep -P "$pm" | wc -l; }
 sleep 5
 idle=$(children)
 
-# settled waits until every backend has exited, its count written, with
-# no query of its own (a psql backend would count itself in).
+# settled waits until every backend of the server under callgrind has
+# exited, its count written, with no query of its own (a psql backend would
+# count itself in).
 settled() {
   local calm=0
   for _ in $(seq 240); do
@@ -72,28 +82,35 @@ settled() {
   return 1
 }
 
-# count ROW N: prints "client server allocations" for N serial events.
-count() {
-  local db="ic$RANDOM$RANDOM" before after client server=0 f allocs
-  sql "CREATE DATABASE $db" >/dev/null
-  settled
-  before=$(ls "$tmp/server")
-  if ! BENCH_DATABASE_URL="postgres://postgres@/$db?host=$tmp&port=5432" GODEBUG=asyncpreemptoff=1 GOMAXPROCS=1 \
-    valgrind --tool=callgrind --callgrind-out-file="$tmp/client.out" "$tmp/bench" -only "$1" -serial "$2" -temporal=false \
-    >"$tmp/client.stdout" 2>"$tmp/client.stderr"; then
-    echo "bench -only '$1' -serial $2 failed:" >&2
+# bench PORT ROW N [valgrind...]: N serial events of ROW against the server
+# on PORT, in a new database.
+bench() {
+  local port=$1 row=$2 n=$3 db="ic$RANDOM$RANDOM"
+  shift 3
+  sql "$port" "CREATE DATABASE $db" >/dev/null
+  [ "$port" != 5432 ] || settled
+  ls "$tmp/server" >"$tmp/before"
+  if ! BENCH_DATABASE_URL="postgres://postgres@/$db?host=$tmp&port=$port" GODEBUG=asyncpreemptoff=1 GOMAXPROCS=1 "$@" "$tmp/bench" -only "$row" -serial "$n" -temporal=false >"$tmp/client.stdout" 2>"$tmp/client.stderr"; then
+    echo "bench -only '$row' -serial $n failed:" >&2
     grep -v '^==' "$tmp/client.stderr" >&2 || true
     return 1
   fi
-  settled
-  after=$(ls "$tmp/server")
+  [ "$port" != 5432 ] || settled
+  ls "$tmp/server" >"$tmp/after"
+  sql "$port" "DROP DATABASE $db" >/dev/null
+}
+
+# count ROW N: prints "client server allocations" for N serial events.
+count() {
+  local client server=0 f allocs
+  bench 5433 "$1" "$2" valgrind --tool=callgrind --callgrind-out-file="$tmp/client.out"
   client=$(sed -n 's/.*Collected : \([0-9]*\).*/\1/p' "$tmp/client.stderr")
-  for f in $(comm -13 <(echo "$before") <(echo "$after")); do
+  allocs=$(sed -n 's/.*events, \([0-9.]*\) allocations.*/\1/p' "$tmp/client.stdout")
+  bench 5432 "$1" "$2"
+  for f in $(comm -13 "$tmp/before" "$tmp/after"); do
     server=$((server + $(awk '/^summary:/ {print $2; exit}' "$tmp/server/$f")))
   done
-  allocs=$(sed -n 's/.*events, \([0-9.]*\) allocations.*/\1/p' "$tmp/client.stdout")
   [ -n "$client" ] && [ "$server" -gt 0 ] && [ -n "$allocs" ] || { echo "no counts for '$1'" >&2; return 1; }
-  sql "DROP DATABASE $db" >/dev/null
   echo "$client $server $allocs"
 }
 
@@ -109,4 +126,4 @@ for row in "${list[@]}"; do
   printf '| %s | %d | %d | %d | %s |\n' "$row" "$c" "$s" $((c + s)) "$a2"
 done
 echo
-echo "(callgrind: $small and $large serial events per row, the difference divided by $((large - small)); PostgreSQL $("$bindir/postgres" --version | awk '{print $3}'), $(go version | awk '{print $3}'))"
+echo "(callgrind: $small and $large serial events per row, client and server counted in separate runs, the difference divided by $((large - small)); PostgreSQL $("$bindir/postgres" --version | awk '{print $3}'), $(go version | awk '{print $3}'))"
