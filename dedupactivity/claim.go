@@ -65,7 +65,9 @@ type attempt struct {
 // transaction, one fewer when the claim rides; a duplicate costs two.
 // Nothing in these paths raises an error in PostgreSQL, except the insert
 // with COMMIT when a concurrent attempt of a riding delivery won, which
-// Temporal does not do on its own (see mayRide). Any error or panic before
+// Temporal does not do on its own (see mayRide), and, once per connection,
+// the prepare of an effect's first statement the server refuses (its own
+// error, which it then gets from pgx). Any error or panic before
 // the commit rolls everything back, the marker included, so the retry
 // applies the effect.
 func (d *Deduper) claim(ctx context.Context, m *marker, ride bool, fn applyFunc) (a attempt, err error) {
@@ -198,14 +200,17 @@ func (d *Deduper) claimFailed(ctx context.Context, tx *claimTx, a attempt) (atte
 // event is this attempt's: the claim inserted the marker's key (m.ctid and
 // m.xact are set), or the look found no committed marker. When ok and q was
 // sent, the returned trip is at q's result and the caller reads and closes
-// it. If q cannot be prepared or its arguments encoded, nothing is sent and
-// the error is errNotRidden. A connection that broke before the claim was
+// it. If q cannot be prepared or its arguments encoded, the claim is not
+// sent and the error is errNotRidden (a statement the server would not
+// prepare was sent to be prepared, once per connection: see
+// connState.prepare). A connection that broke before the claim was
 // read (a server restart, a backend killed while the connection sat idle in
 // the pool), or lost its prepared statements, is replaced or prepared again
 // and the round trip sent once more: nothing of it committed.
 func (d *Deduper) sendClaim(ctx context.Context, tx *claimTx, q *pgx.QueuedQuery) (t *trip, ok bool, err error) {
 	look := q != nil
 	for try := 1; ; try++ {
+		sent := false
 		t = newTrip(tx.conn)
 		var qsql string
 		if look {
@@ -226,6 +231,7 @@ func (d *Deduper) sendClaim(ctx context.Context, tx *claimTx, q *pgx.QueuedQuery
 		}
 		if err == nil {
 			t.send(ctx)
+			sent = true
 			if _, err = t.exec(); err == nil { // BEGIN
 				if look {
 					var found bool
@@ -248,11 +254,13 @@ func (d *Deduper) sendClaim(ctx context.Context, tx *claimTx, q *pgx.QueuedQuery
 			return nil, ok, nil
 		}
 		_ = t.close()
-		if look && (ctx.Err() != nil || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled)) {
+		if look && sent && (ctx.Err() != nil || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled)) {
 			// PostgreSQL answers BEGIN and the look only with q, at the
 			// round trip's end, and the look waits for nothing (but a lock
 			// DDL holds on the marker table): the deadline or cancellation
-			// is q's, the effect's own, not a claim that waited.
+			// is q's, the effect's own, not a claim that waited. One that
+			// came while the claim's statements were being prepared (their
+			// Parse waits on such a lock too) is the claim's.
 			return nil, false, effectError{fmt.Errorf("dedupactivity: the effect's first statement (sent with the claim): %w", err)}
 		}
 		if try == 1 && ctx.Err() == nil && (tx.conn.IsClosed() || stale(err)) {

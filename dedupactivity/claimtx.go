@@ -99,7 +99,7 @@ func ClaimTx[Out any](ctx context.Context, d *Deduper, tx pgx.Tx, id Identity, i
 	// marker (READ COMMITTED takes a new snapshot; under the stricter levels
 	// the claim has failed already if the marker is not visible).
 	b = &pgx.Batch{}
-	b.Queue(d.store.restoreLockTimeout.sql) // the caller's transaction goes on
+	b.Queue(d.store.restoreLockTimeout) // the caller's transaction goes on
 	d.store.queueRead(b, c.m)
 	br = tx.SendBatch(ctx, b)
 	_, rerr := br.Exec()

@@ -104,7 +104,9 @@ var (
 var errDuplicate = errors.New("dedupactivity: this delivery is a duplicate (the event was applied by an earlier attempt): its statements are rolled back and it returns the stored result; return any error")
 
 // errNotRidden says the effect's first statement could not carry the claim
-// (pgx refused it before sending anything); see claimTx.send.
+// (the server would not prepare it, its arguments could not be encoded, or
+// the connection does not cache statements): the claim was not sent with
+// it; see claimTx.send.
 var errNotRidden = errors.New("dedupactivity: the statement could not carry the claim")
 
 // Temporal ApplicationError types used at the activity edge. Workflows can

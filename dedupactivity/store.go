@@ -64,7 +64,7 @@ type store struct {
 	// claim's lock_timeout stays until the transaction ends:
 	// restoreLockTimeout puts it back for a caller that goes on.
 	insert             *stmt
-	restoreLockTimeout *stmt
+	restoreLockTimeout string
 	// insertLast inserts the whole marker, result included, just before
 	// COMMIT, for a claim that went as a look (see claimTx). It sets the
 	// claim wait as lock_timeout in its WHERE clause, before it can wait for
@@ -145,7 +145,7 @@ RETURNING ctid, pg_current_xact_id()::text, set_config('lock_timeout', current_s
 		insertLast: newStmt(`INSERT INTO `+table+` (id_hash, attempt, expires_at, activity_type, fingerprint, result`+keyCol+`)
 SELECT $1::bytea, $2::int4, $3::timestamptz, $4::text, $5::bytea, $6::bytea`+keyVal+`
 WHERE set_config('lock_timeout', $7, true) IS NOT NULL AND CASE WHEN `+self+` = `+lastOID+`::oid THEN true ELSE `+moved+`() END`, slices.Concat(marker, []uint32{oidOID})...),
-		restoreLockTimeout: newStmt(`SELECT set_config('lock_timeout', current_setting('dedupactivity.lock_timeout'), true)`),
+		restoreLockTimeout: `SELECT set_config('lock_timeout', current_setting('dedupactivity.lock_timeout'), true)`,
 		complete: newStmt(`UPDATE `+table+` SET result = $2 WHERE ctid = $1`+completeCond+` AND (SELECT CASE
 	WHEN pg_current_xact_id() <> $3::text::xid8 THEN `+ended+`()
 	WHEN `+self+` <> `+completeOID+`::oid THEN `+moved+`()
@@ -164,7 +164,7 @@ WHERE set_config('lock_timeout', $7, true) IS NOT NULL AND CASE WHEN `+self+` = 
 	SELECT ctid FROM ` + pruned + ` WHERE expires_at < now()
 	LIMIT $1 FOR UPDATE SKIP LOCKED))`,
 	}
-	st.stmts = []*stmt{beginStmt, commitStmt, rollbackStmt, st.look, st.insert, st.insertLast, st.complete, st.guard, st.read, st.self, st.restoreLockTimeout}
+	st.stmts = []*stmt{beginStmt, commitStmt, rollbackStmt, st.look, st.insert, st.insertLast, st.complete, st.guard, st.read, st.self}
 	return st
 }
 
@@ -276,7 +276,7 @@ func (s *store) addInsertLast(t *trip, m *marker, wait time.Duration) {
 // claim wait as a lock_timeout, and (partitioned) its scheduled time.
 func (s *store) markerParams(t *trip, m *marker, wait time.Duration) {
 	t.bytea(m.hash).int4(m.attempt).timestamptz(m.expiresAt).text(m.activityType).bytea(m.fingerprint).bytea(m.result).
-		text(strconv.FormatInt(wait.Milliseconds(), 10) + "ms")
+		millis(wait)
 	s.scheduledAt(t, m)
 }
 

@@ -70,10 +70,11 @@ func (t *claimTx) close() { t.closed.Store(true) }
 
 // send sends the claim's first round trip: the claim, or, with q, the look
 // and q; see Deduper.sendClaim. Its outcome is kept: a duplicate or a failed
-// claim is returned by every later call. If q cannot ride (it cannot be
-// prepared, its arguments cannot be encoded, or the connection does not
-// cache statements), nothing is sent and send returns errNotRidden: the
-// caller sends q through pgx on its own, which reports q's own error.
+// claim is returned by every later call. If q cannot ride (the server will
+// not prepare it, its arguments cannot be encoded, or the connection does
+// not cache statements), the claim is not sent and send returns
+// errNotRidden: the caller sends q through pgx on its own, which reports
+// q's own error.
 func (t *claimTx) send(ctx context.Context, q *pgx.QueuedQuery) (*trip, error) {
 	tr, ok, err := t.d.sendClaim(ctx, t, q)
 	if errors.Is(err, errNotRidden) {

@@ -22,6 +22,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -39,7 +40,6 @@ type stmt struct {
 
 // Parameter types of the claim's statements.
 const (
-	oidBool        = pgtype.BoolOID
 	oidBytea       = pgtype.ByteaOID
 	oidInt4        = pgtype.Int4OID
 	oidText        = pgtype.TextOID
@@ -81,8 +81,9 @@ type connState struct {
 	tracer pgx.BatchTracer // the connection's Tracer, when it traces batches
 	stmts  map[string]*prepared
 	clock  uint64 // counts prepare calls, for prepared.used
-	// drop are names of statements prepared before forget, deallocated by
-	// the next prepare.
+	// drop are names of statements no longer in stmts (forgotten, or
+	// evicted to make room) but maybe still prepared on the server,
+	// deallocated by the next prepare.
 	drop []string
 	// refused are effect statements the server would not prepare (a
 	// missing table, or the name of a statement pgx prepared, which the
@@ -140,13 +141,30 @@ func (s *connState) forget() {
 }
 
 // stale says whether err means a prepared statement of the connection is
-// missing (26000) or no longer matches its tables (0A000).
+// missing (26000) or no longer matches its tables (0A000 from the plan
+// cache's check; other 0A000 errors, such as a planner's, are the
+// statement's own). The routine's name is not translated, the message is.
 func stale(err error) bool {
-	switch sqlState(err) {
-	case "26000", "0A000":
-		return true
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) {
+		return false
 	}
-	return false
+	return pgErr.Code == "26000" || pgErr.Code == "0A000" && pgErr.Routine == "RevalidateCachedQuery"
+}
+
+// lasting says whether err, a statement's failure to prepare, will happen
+// again: an error of the statement itself, not of the moment (a lock it
+// waited for, a cancellation, a deadlock, resources, the connection).
+func lasting(err error) bool {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || len(pgErr.Code) != 5 {
+		return false
+	}
+	switch pgErr.Code[:2] {
+	case "08", "40", "53", "55", "57", "58":
+		return false
+	}
+	return true
 }
 
 // prepare prepares, in one round trip, those of the claim's statements and
@@ -173,15 +191,16 @@ func (s *connState) prepare(ctx context.Context, conn *pgx.Conn, q string, stmts
 			todo = append(todo, st)
 		}
 	}
+	var qst *stmt
 	if q != "" {
 		switch p := s.stmts[q]; {
 		case p != nil:
 			p.used = s.clock
-			q = ""
 		case s.refused[q]:
 			return errNotRidden
 		default:
-			todo = append(todo, newStmt(q))
+			qst = newStmt(q)
+			todo = append(todo, qst)
 		}
 	}
 	if len(todo) == 0 && len(s.drop) == 0 {
@@ -213,8 +232,8 @@ func (s *connState) prepare(ctx context.Context, conn *pgx.Conn, q string, stmts
 		if _, err = p.GetResults(); err == nil { // the deallocation
 			err = s.readDescription(p, st)
 		}
-		if err != nil && st.sql == q {
-			if errors.As(err, new(*pgconn.PgError)) {
+		if err != nil && st == qst {
+			if lasting(err) {
 				if len(s.refused) >= maxRefused {
 					clear(s.refused)
 				}
@@ -235,18 +254,17 @@ func (s *connState) prepare(ctx context.Context, conn *pgx.Conn, q string, stmts
 // evict moves the least recently used statement that this prepare call does
 // not need to drop; false when there is none.
 func (s *connState) evict() bool {
-	var oldest string
-	var at uint64
-	for sql, p := range s.stmts {
-		if p.used < s.clock && (oldest == "" || p.used < at) {
-			oldest, at = sql, p.used
+	var oldest *prepared
+	for _, p := range s.stmts {
+		if p.used < s.clock && (oldest == nil || p.used < oldest.used) {
+			oldest = p
 		}
 	}
-	if oldest == "" {
+	if oldest == nil {
 		return false
 	}
-	s.drop = append(s.drop, s.stmts[oldest].sd.Name)
-	delete(s.stmts, oldest)
+	s.drop = append(s.drop, oldest.sd.Name)
+	delete(s.stmts, oldest.sd.SQL)
 	return true
 }
 
@@ -333,6 +351,12 @@ func (t *trip) timestamptz(v time.Time) *trip {
 func (t *trip) tid(v pgtype.TID) *trip {
 	t.buf = binary.BigEndian.AppendUint32(t.buf, v.BlockNumber)
 	t.buf = binary.BigEndian.AppendUint16(t.buf, v.OffsetNumber)
+	return t.end()
+}
+
+// millis is d as a text setting in milliseconds, such as "250ms".
+func (t *trip) millis(d time.Duration) *trip {
+	t.buf = append(strconv.AppendInt(t.buf, d.Milliseconds(), 10), "ms"...)
 	return t.end()
 }
 

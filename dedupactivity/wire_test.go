@@ -470,3 +470,116 @@ func TestClaimWaitWithGenericPlans(t *testing.T) {
 	require.Equal(t, "force_generic_plan", mode)
 	require.Equal(t, int64(2), b.ledgerRows(t))
 }
+
+// TestDeadlineWhilePreparingTheClaim: a deadline that comes while a new
+// connection prepares the claim's statements (their Parse waits, here on a
+// lock held on the marker table, as partition maintenance may hold it) is
+// the claim's, not the effect's: the effect's first statement was not sent.
+func TestDeadlineWhilePreparingTheClaim(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	ctx := context.Background()
+	pool, _ := countingPool(t, b, nil)
+	d, err := dedupactivity.New(pool, dedupactivity.Options{})
+	require.NoError(t, err)
+	holder, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = holder.Rollback(ctx) }) // when an assertion fails before
+	_, err = holder.Exec(ctx, `LOCK TABLE dedup_marker IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+
+	short, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer cancel()
+	in := Transfer{Account: "a", Amount: 1}
+	_, outcome, err := dedupactivity.Do(short, d, runScoped("x"), in, b.post)
+	require.ErrorIs(t, err, dedupactivity.ErrClaimTimeout)
+	require.Equal(t, dedupactivity.OutcomeClaimTimeout, outcome)
+	require.NoError(t, holder.Rollback(ctx))
+
+	_, outcome, err = dedupactivity.Do(ctx, d, runScoped("x"), in, b.post)
+	require.NoError(t, err)
+	require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
+	require.Equal(t, int64(1), b.ledgerRows(t))
+	require.Equal(t, int64(1), b.markers(t))
+}
+
+// TestPlannerErrorIsNotStale: a riding statement that fails with SQLSTATE
+// 0A000 from the planner (not the plan cache's "cached plan must not
+// change result type") is the effect's error; the connection's prepared
+// statements stay, so the next delivery takes no prepare round trip.
+func TestPlannerErrorIsNotStale(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	ctx := context.Background()
+	pool, writes := countingPool(t, b, nil)
+	d, err := dedupactivity.New(pool, dedupactivity.Options{})
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `CREATE TABLE a (id int); CREATE TABLE u (id int)`)
+	require.NoError(t, err)
+	in := Transfer{Account: "a", Amount: 1}
+	_, _, err = dedupactivity.Do(ctx, d, runScoped("warm"), in, b.post)
+	require.NoError(t, err)
+
+	outerJoin := func(ctx context.Context, tx pgx.Tx, in Transfer) (int, error) {
+		_, err := tx.Exec(ctx, `SELECT a.id FROM a LEFT JOIN u ON u.id = $1 FOR UPDATE OF u`, 1)
+		return 0, err
+	}
+	_, outcome, err := dedupactivity.Do(ctx, d, runScoped("x"), in, outerJoin)
+	require.Equal(t, "0A000", sqlStateOf(err), "%v", err)
+	require.Equal(t, dedupactivity.OutcomeEffectError, outcome)
+
+	before := writes.Load()
+	_, outcome, err = dedupactivity.Do(ctx, d, runScoped("y"), in, b.post)
+	require.NoError(t, err)
+	require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
+	require.Equal(t, int64(3), writes.Load()-before, "BEGIN, look and the insert; the update; the marker and COMMIT")
+	require.Equal(t, int64(2), b.ledgerRows(t))
+	require.Equal(t, int64(2), b.markers(t))
+}
+
+// TestFirstStatementThatWaitedToBePrepared: an effect's first statement
+// whose prepare failed for a reason of the moment (here lock_timeout, its
+// table locked) is not held against it: once the lock is gone it is
+// prepared by the claim and rides.
+func TestFirstStatementThatWaitedToBePrepared(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	ctx := context.Background()
+	pool, _ := countingPool(t, b, func(c *pgxpool.Config) {
+		c.ConnConfig.RuntimeParams["lock_timeout"] = "200ms"
+	})
+	d, err := dedupactivity.New(pool, dedupactivity.Options{})
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `CREATE TABLE locked (id int)`)
+	require.NoError(t, err)
+	in := Transfer{Account: "a", Amount: 1}
+	_, _, err = dedupactivity.Do(ctx, d, runScoped("warm"), in, b.post)
+	require.NoError(t, err)
+
+	const first = `INSERT INTO locked (id) VALUES ($1)`
+	effect := func(ctx context.Context, tx pgx.Tx, in Transfer) (int, error) {
+		_, err := tx.Exec(ctx, first, 1)
+		return 0, err
+	}
+	holder, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = holder.Rollback(ctx) }) // when an assertion fails before
+	_, err = holder.Exec(ctx, `LOCK TABLE locked IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+	_, outcome, err := dedupactivity.Do(ctx, d, runScoped("x"), in, effect)
+	require.Equal(t, "55P03", sqlStateOf(err), "%v", err)
+	require.Equal(t, dedupactivity.OutcomeEffectError, outcome)
+	require.NoError(t, holder.Rollback(ctx))
+
+	_, outcome, err = dedupactivity.Do(ctx, d, runScoped("x"), in, effect)
+	require.NoError(t, err)
+	require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
+	var byClaim bool
+	require.NoError(t, pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_prepared_statements
+		WHERE name LIKE 'dedupactivity\_%' AND statement = $1)`, first).Scan(&byClaim))
+	require.True(t, byClaim, "the claim prepared the statement to ride with it")
+	var n int64
+	require.NoError(t, b.pool.QueryRow(ctx, `SELECT count(*) FROM locked`).Scan(&n))
+	require.Equal(t, int64(1), n)
+	require.Equal(t, int64(2), b.markers(t))
+}
