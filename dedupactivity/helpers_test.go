@@ -152,3 +152,12 @@ func countingPool(t *testing.T, b *testBundle, configure func(*pgxpool.Config)) 
 	t.Cleanup(pool.Close)
 	return pool, &writes
 }
+
+// countingDeduper is a Deduper with default Options on a countingPool.
+func countingDeduper(t *testing.T, b *testBundle, configure func(*pgxpool.Config)) (*dedupactivity.Deduper, *pgxpool.Pool, *atomic.Int64) {
+	t.Helper()
+	pool, writes := countingPool(t, b, configure)
+	d, err := dedupactivity.New(pool, dedupactivity.Options{})
+	require.NoError(t, err)
+	return d, pool, writes
+}

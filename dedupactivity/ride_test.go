@@ -116,9 +116,7 @@ func TestEveryFirstCallWorks(t *testing.T) {
 			t.Run(mode.String()+"/"+c.name, func(t *testing.T) {
 				t.Parallel()
 				b := setup(t, dedupactivity.Options{})
-				pool, writes := countingPool(t, b, func(c *pgxpool.Config) { c.ConnConfig.DefaultQueryExecMode = mode })
-				d, err := dedupactivity.New(pool, dedupactivity.Options{})
-				require.NoError(t, err)
+				d, _, writes := countingDeduper(t, b, func(c *pgxpool.Config) { c.ConnConfig.DefaultQueryExecMode = mode })
 				ctx := context.Background()
 				var sawDuplicate atomic.Bool
 				fn := func(ctx context.Context, tx pgx.Tx, in Transfer) (int64, error) {
@@ -129,7 +127,7 @@ func TestEveryFirstCallWorks(t *testing.T) {
 					return n, err
 				}
 				// Warm the connection and its statement cache on another event.
-				_, _, err = dedupactivity.Do(ctx, d, runScoped("warm"), Transfer{}, fn)
+				_, _, err := dedupactivity.Do(ctx, d, runScoped("warm"), Transfer{}, fn)
 				require.NoError(t, err)
 				before := writes.Load()
 				first, outcome, err := dedupactivity.Do(ctx, d, runScoped("1"), Transfer{}, fn)
@@ -331,9 +329,7 @@ func TestFirstStatementPgxRefuses(t *testing.T) {
 		t.Run(mode.String(), func(t *testing.T) {
 			t.Parallel()
 			b := setup(t, dedupactivity.Options{})
-			pool, _ := countingPool(t, b, func(c *pgxpool.Config) { c.ConnConfig.DefaultQueryExecMode = mode })
-			d, err := dedupactivity.New(pool, dedupactivity.Options{})
-			require.NoError(t, err)
+			d, _, _ := countingDeduper(t, b, func(c *pgxpool.Config) { c.ConnConfig.DefaultQueryExecMode = mode })
 			firstStatementRefused(t, b, d)
 		})
 	}
@@ -399,15 +395,13 @@ func TestBeforeConnectSimpleProtocolDoesNotRide(t *testing.T) {
 	t.Parallel()
 	b := setup(t, dedupactivity.Options{})
 	ctx := context.Background()
-	pool, writes := countingPool(t, b, func(c *pgxpool.Config) {
+	d, _, writes := countingDeduper(t, b, func(c *pgxpool.Config) {
 		c.BeforeConnect = func(_ context.Context, cc *pgx.ConnConfig) error {
 			cc.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol
 			return nil
 		}
 	})
-	d, err := dedupactivity.New(pool, dedupactivity.Options{})
-	require.NoError(t, err)
-	_, _, err = dedupactivity.Do(ctx, d, runScoped("warm"), Transfer{Account: "a", Amount: 1}, b.post)
+	_, _, err := dedupactivity.Do(ctx, d, runScoped("warm"), Transfer{Account: "a", Amount: 1}, b.post)
 	require.NoError(t, err)
 	before := writes.Load()
 	_, outcome, err := dedupactivity.Do(ctx, d, runScoped("1"), Transfer{Account: "a", Amount: 1}, b.post)

@@ -19,9 +19,7 @@ func TestRoundTrips(t *testing.T) {
 	b := setup(t, dedupactivity.Options{})
 	ctx := context.Background()
 
-	pool, writes := countingPool(t, b, nil)
-	d, err := dedupactivity.New(pool, dedupactivity.Options{})
-	require.NoError(t, err)
+	d, pool, writes := countingDeduper(t, b, nil)
 
 	measure := func(f func(i int)) int64 {
 		f(-1) // warm up: connect, prepare statements

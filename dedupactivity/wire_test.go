@@ -94,9 +94,7 @@ func TestPreparedStatementsAreBounded(t *testing.T) {
 		t.Parallel()
 		b := setup(t, dedupactivity.Options{})
 		ctx := context.Background()
-		pool, _ := countingPool(t, b, nil)
-		d, err := dedupactivity.New(pool, dedupactivity.Options{})
-		require.NoError(t, err)
+		d, pool, _ := countingDeduper(t, b, nil)
 		insert := func(n int) dedupactivity.EffectFunc[Transfer, int64] {
 			return func(ctx context.Context, tx pgx.Tx, in Transfer) (id int64, err error) {
 				return id, tx.QueryRow(ctx, fmt.Sprintf(`INSERT INTO ledger (account, amount) VALUES ($1, $2) RETURNING id /* %d */`, n), in.Account, in.Amount).Scan(&id)
@@ -157,10 +155,8 @@ func TestStaleRidingStatement(t *testing.T) {
 	t.Parallel()
 	b := setup(t, dedupactivity.Options{})
 	ctx := context.Background()
-	pool, _ := countingPool(t, b, nil)
-	d, err := dedupactivity.New(pool, dedupactivity.Options{})
-	require.NoError(t, err)
-	_, err = pool.Exec(ctx, `CREATE TABLE wide (id int PRIMARY KEY, v int); INSERT INTO wide VALUES (1, 2)`)
+	d, pool, _ := countingDeduper(t, b, nil)
+	_, err := pool.Exec(ctx, `CREATE TABLE wide (id int PRIMARY KEY, v int); INSERT INTO wide VALUES (1, 2)`)
 	require.NoError(t, err)
 	effect := func(ctx context.Context, tx pgx.Tx, in Transfer) (int64, error) {
 		rows, _ := tx.Query(ctx, `SELECT * FROM wide WHERE id = $1`, 1)
@@ -213,19 +209,17 @@ func TestFirstStatementThatCannotBePrepared(t *testing.T) {
 	t.Parallel()
 	b := setup(t, dedupactivity.Options{})
 	ctx := context.Background()
-	pool, writes := countingPool(t, b, func(c *pgxpool.Config) {
+	d, _, writes := countingDeduper(t, b, func(c *pgxpool.Config) {
 		c.AfterConnect = func(ctx context.Context, conn *pgx.Conn) error {
 			_, err := conn.Prepare(ctx, "ins", `INSERT INTO ledger (account, amount) VALUES ($1, $2)`)
 			return err
 		}
 	})
-	d, err := dedupactivity.New(pool, dedupactivity.Options{})
-	require.NoError(t, err)
 	effect := func(ctx context.Context, tx pgx.Tx, in Transfer) (int, error) {
 		_, err := tx.Exec(ctx, "ins", in.Account, in.Amount)
 		return 0, err
 	}
-	_, _, err = dedupactivity.Do(ctx, d, runScoped("warm"), Transfer{Account: "a", Amount: 1}, b.post)
+	_, _, err := dedupactivity.Do(ctx, d, runScoped("warm"), Transfer{Account: "a", Amount: 1}, b.post)
 	require.NoError(t, err)
 	var rts []int64
 	for i := range 3 {
@@ -248,7 +242,7 @@ func TestReplacedConnectionInAnotherMode(t *testing.T) {
 	b := setup(t, dedupactivity.Options{})
 	ctx := context.Background()
 	var connects atomic.Int32
-	pool, _ := countingPool(t, b, func(c *pgxpool.Config) {
+	d, pool, _ := countingDeduper(t, b, func(c *pgxpool.Config) {
 		c.ShouldPing = func(context.Context, pgxpool.ShouldPingParams) bool { return false }
 		c.BeforeConnect = func(_ context.Context, cc *pgx.ConnConfig) error {
 			if connects.Add(1) > 1 {
@@ -257,9 +251,7 @@ func TestReplacedConnectionInAnotherMode(t *testing.T) {
 			return nil
 		}
 	})
-	d, err := dedupactivity.New(pool, dedupactivity.Options{})
-	require.NoError(t, err)
-	_, _, err = dedupactivity.Do(ctx, d, runScoped("warm"), Transfer{Account: "a", Amount: 1}, b.post)
+	_, _, err := dedupactivity.Do(ctx, d, runScoped("warm"), Transfer{Account: "a", Amount: 1}, b.post)
 	require.NoError(t, err)
 	var pid uint32
 	require.NoError(t, pool.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid))
@@ -325,11 +317,9 @@ func TestTracerSeesTheClaim(t *testing.T) {
 	b := setup(t, dedupactivity.Options{})
 	ctx := context.Background()
 	tracer := &batchTracer{}
-	pool, _ := countingPool(t, b, func(c *pgxpool.Config) { c.ConnConfig.Tracer = tracer })
-	d, err := dedupactivity.New(pool, dedupactivity.Options{})
-	require.NoError(t, err)
+	d, _, _ := countingDeduper(t, b, func(c *pgxpool.Config) { c.ConnConfig.Tracer = tracer })
 	in := Transfer{Account: "a", Amount: 7}
-	_, _, err = dedupactivity.Do(ctx, d, runScoped("warm"), in, b.post)
+	_, _, err := dedupactivity.Do(ctx, d, runScoped("warm"), in, b.post)
 	require.NoError(t, err)
 	tracer.mu.Lock()
 	tracer.batches, tracer.queried, tracer.ended, tracer.queries = nil, nil, nil, nil
@@ -379,11 +369,9 @@ func TestOtherExecModesPrepareNothing(t *testing.T) {
 			t.Parallel()
 			b := setup(t, dedupactivity.Options{})
 			ctx := context.Background()
-			pool, writes := countingPool(t, b, func(c *pgxpool.Config) { c.ConnConfig.DefaultQueryExecMode = mode })
-			d, err := dedupactivity.New(pool, dedupactivity.Options{})
-			require.NoError(t, err)
+			d, pool, writes := countingDeduper(t, b, func(c *pgxpool.Config) { c.ConnConfig.DefaultQueryExecMode = mode })
 			in := Transfer{Account: "a", Amount: 1}
-			_, _, err = dedupactivity.Do(ctx, d, runScoped("warm"), in, b.post)
+			_, _, err := dedupactivity.Do(ctx, d, runScoped("warm"), in, b.post)
 			require.NoError(t, err)
 			before := writes.Load()
 			_, outcome, err := dedupactivity.Do(ctx, d, runScoped("1"), in, b.post)
@@ -479,14 +467,8 @@ func TestDeadlineWhilePreparingTheClaim(t *testing.T) {
 	t.Parallel()
 	b := setup(t, dedupactivity.Options{})
 	ctx := context.Background()
-	pool, _ := countingPool(t, b, nil)
-	d, err := dedupactivity.New(pool, dedupactivity.Options{})
-	require.NoError(t, err)
-	holder, err := b.pool.Begin(ctx)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = holder.Rollback(ctx) }) // when an assertion fails before
-	_, err = holder.Exec(ctx, `LOCK TABLE dedup_marker IN ACCESS EXCLUSIVE MODE`)
-	require.NoError(t, err)
+	d, _, _ := countingDeduper(t, b, nil)
+	holder := lockTable(t, b, "dedup_marker")
 
 	short, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
 	defer cancel()
@@ -511,10 +493,8 @@ func TestPlannerErrorIsNotStale(t *testing.T) {
 	t.Parallel()
 	b := setup(t, dedupactivity.Options{})
 	ctx := context.Background()
-	pool, writes := countingPool(t, b, nil)
-	d, err := dedupactivity.New(pool, dedupactivity.Options{})
-	require.NoError(t, err)
-	_, err = pool.Exec(ctx, `CREATE TABLE a (id int); CREATE TABLE u (id int)`)
+	d, pool, writes := countingDeduper(t, b, nil)
+	_, err := pool.Exec(ctx, `CREATE TABLE a (id int); CREATE TABLE u (id int)`)
 	require.NoError(t, err)
 	in := Transfer{Account: "a", Amount: 1}
 	_, _, err = dedupactivity.Do(ctx, d, runScoped("warm"), in, b.post)
@@ -545,12 +525,10 @@ func TestFirstStatementThatWaitedToBePrepared(t *testing.T) {
 	t.Parallel()
 	b := setup(t, dedupactivity.Options{})
 	ctx := context.Background()
-	pool, _ := countingPool(t, b, func(c *pgxpool.Config) {
+	d, pool, _ := countingDeduper(t, b, func(c *pgxpool.Config) {
 		c.ConnConfig.RuntimeParams["lock_timeout"] = "200ms"
 	})
-	d, err := dedupactivity.New(pool, dedupactivity.Options{})
-	require.NoError(t, err)
-	_, err = pool.Exec(ctx, `CREATE TABLE locked (id int)`)
+	_, err := pool.Exec(ctx, `CREATE TABLE locked (id int)`)
 	require.NoError(t, err)
 	in := Transfer{Account: "a", Amount: 1}
 	_, _, err = dedupactivity.Do(ctx, d, runScoped("warm"), in, b.post)
@@ -561,11 +539,7 @@ func TestFirstStatementThatWaitedToBePrepared(t *testing.T) {
 		_, err := tx.Exec(ctx, first, 1)
 		return 0, err
 	}
-	holder, err := b.pool.Begin(ctx)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = holder.Rollback(ctx) }) // when an assertion fails before
-	_, err = holder.Exec(ctx, `LOCK TABLE locked IN ACCESS EXCLUSIVE MODE`)
-	require.NoError(t, err)
+	holder := lockTable(t, b, "locked")
 	_, outcome, err := dedupactivity.Do(ctx, d, runScoped("x"), in, effect)
 	require.Equal(t, "55P03", sqlStateOf(err), "%v", err)
 	require.Equal(t, dedupactivity.OutcomeEffectError, outcome)
@@ -582,4 +556,17 @@ func TestFirstStatementThatWaitedToBePrepared(t *testing.T) {
 	require.NoError(t, b.pool.QueryRow(ctx, `SELECT count(*) FROM locked`).Scan(&n))
 	require.Equal(t, int64(1), n)
 	require.Equal(t, int64(2), b.markers(t))
+}
+
+// lockTable holds an ACCESS EXCLUSIVE lock on table in a transaction of
+// b's pool, until the test rolls it back (or ends).
+func lockTable(t *testing.T, b *testBundle, table string) pgx.Tx {
+	t.Helper()
+	ctx := context.Background()
+	holder, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = holder.Rollback(ctx) }) // when an assertion fails before
+	_, err = holder.Exec(ctx, `LOCK TABLE `+table+` IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+	return holder
 }
