@@ -494,7 +494,7 @@ func (d *Deduper) judge(m *marker, st stored, found bool, err error, a attempt) 
 	if m.fingerprint != nil && st.fingerprint != nil && !bytes.Equal(m.fingerprint, st.fingerprint) {
 		a.outcome = OutcomePayloadMismatch
 		if d.opts.MismatchPolicy == MismatchReject {
-			return a, fmt.Errorf("%w (identity %x, first applied by attempt %d)", ErrPayloadMismatch, m.hash, st.attempt)
+			return a, fmt.Errorf("%w (identity %x, first applied by attempt %d)", ErrPayloadMismatch, m.sum[:], st.attempt)
 		}
 	} else {
 		a.outcome = OutcomeDuplicate
@@ -510,25 +510,25 @@ func (d *Deduper) judge(m *marker, st stored, found bool, err error, a attempt) 
 // newMarker validates id and builds the marker a delivery of it claims (the
 // input's fingerprint comes later, with fingerprintInput, once the attempt
 // is traced).
-func (d *Deduper) newMarker(info activity.Info, id Identity, retention time.Duration) (*marker, [32]byte, error) {
+func (d *Deduper) newMarker(info activity.Info, id Identity, retention time.Duration) (*marker, error) {
 	enc := id.Encode()
 	if err := id.validate(enc); err != nil {
-		return nil, [32]byte{}, err
+		return nil, err
 	}
-	hash := sha256Sum(enc)
-	m := &marker{hash: hash[:], attempt: info.Attempt, activityType: validText(info.ActivityType.Name),
+	m := &marker{sum: sha256Sum(enc), attempt: info.Attempt, activityType: validText(info.ActivityType.Name),
 		expiresAt: expiry(info, retention)}
 	if d.opts.DiscardResults {
 		m.result = []byte{} // empty, not NULL: a result that is not kept
 	}
-	return m, hash, nil
+	return m, nil
 }
 
 // fingerprintInput fingerprints a business-keyed input. Run-scoped
 // identities need none: Temporal's history fixes their input, so a
 // difference could only be a false alarm (an input struct that gained a
-// field between attempts).
-func (m *marker) fingerprintInput(id Identity, in any) (err error) {
+// field between attempts). It is generic so that a run-scoped input is not
+// boxed into an interface for nothing.
+func fingerprintInput[In any](m *marker, id Identity, in In) (err error) {
 	if id.Kind == KindBusinessKey {
 		m.fingerprint, err = fingerprint(in)
 	}

@@ -60,19 +60,19 @@ func ClaimTx[Out any](ctx context.Context, d *Deduper, tx pgx.Tx, id Identity, i
 		return nil, fmt.Errorf("%w: ClaimTx does not support the partitioned layout (PartitionInterval)", ErrInvalidOptions)
 	}
 	info := infoFor(ctx, id)
-	m, hash, err := d.newMarker(info, id, d.opts.Retention)
+	m, err := d.newMarker(info, id, d.opts.Retention)
 	if err != nil {
 		return nil, err
 	}
 	c := &Claim[Out]{d: d, tx: tx, info: info, id: id, m: m}
 
-	ctx, rec := d.tel.start(ctx, info, id, hash)
+	ctx, rec := d.tel.start(ctx, info, id, m.sum)
 	a := attempt{outcome: OutcomeError}
 	defer func() {
 		rec.set(a)
 		d.tel.end(ctx, rec, err)
 	}()
-	if err = m.fingerprintInput(id, in); err != nil {
+	if err = fingerprintInput(m, id, in); err != nil {
 		return nil, err
 	}
 	start := time.Now()

@@ -11,8 +11,9 @@ import (
 // event.
 type eventKey struct{}
 
-// withEvent returns ctx carrying the identity hash of the event being applied.
-func withEvent(ctx context.Context, hash [32]byte) context.Context {
+// withEvent returns ctx carrying the identity hash of the event being applied
+// (its marker's, which does not change).
+func withEvent(ctx context.Context, hash *[32]byte) context.Context {
 	return context.WithValue(ctx, eventKey{}, hash)
 }
 
@@ -28,7 +29,7 @@ func withEvent(ctx context.Context, hash [32]byte) context.Context {
 // around a ClaimTx, whose identity ctx does not carry: there, use "dedup-"
 // and the hex of the claimed id's Hash. Outside both it returns "", false.
 func IdempotencyKey(ctx context.Context) (string, bool) {
-	if h, ok := ctx.Value(eventKey{}).([32]byte); ok {
+	if h, ok := ctx.Value(eventKey{}).(*[32]byte); ok {
 		return "dedup-" + hex.EncodeToString(h[:]), true
 	}
 	if !activity.IsActivity(ctx) {

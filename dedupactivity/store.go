@@ -246,7 +246,7 @@ func timeLiteral(t time.Time) string {
 
 // marker is the row the claim inserts.
 type marker struct {
-	hash         []byte
+	sum          [32]byte // SHA-256 of the identity's encoding: the key
 	attempt      int32
 	expiresAt    time.Time
 	activityType string
@@ -275,7 +275,7 @@ func (s *store) addInsertLast(t *trip, m *marker, wait time.Duration) {
 // markerParams are the parameters of insert and insertLast: the marker, the
 // claim wait as a lock_timeout, and (partitioned) its scheduled time.
 func (s *store) markerParams(t *trip, m *marker, wait time.Duration) {
-	t.bytea(m.hash).int4(m.attempt).timestamptz(m.expiresAt).text(m.activityType).bytea(m.fingerprint).bytea(m.result).
+	t.bytea(m.sum[:]).int4(m.attempt).timestamptz(m.expiresAt).text(m.activityType).bytea(m.fingerprint).bytea(m.result).
 		millis(wait)
 	s.scheduledAt(t, m)
 }
@@ -362,7 +362,7 @@ type stored struct {
 
 // addRead queues the read of m's committed marker; readStored reads it.
 func (s *store) addRead(t *trip, m *marker) {
-	t.bytea(m.hash)
+	t.bytea(m.sum[:])
 	s.scheduledAt(t, m)
 	t.add(s.read)
 }
@@ -405,7 +405,7 @@ func decodeHex(s []byte) ([]byte, error) {
 // addLook queues the look for m's committed marker; looked reads it, and
 // the table's OID into m.table. A read-only transaction is ErrReadOnly.
 func (s *store) addLook(t *trip, m *marker) {
-	t.bytea(m.hash)
+	t.bytea(m.sum[:])
 	s.scheduledAt(t, m)
 	t.add(s.look)
 }
@@ -439,7 +439,7 @@ func looked(t *trip, m *marker) (found bool, err error) {
 
 // queueClaim queues the claim on b; readClaim reads it (see claimed).
 func (s *store) queueClaim(b *pgx.Batch, m *marker, wait time.Duration) {
-	b.Queue(s.insert.sql, m.hash, m.attempt, m.expiresAt, m.activityType, m.fingerprint, m.result, strconv.FormatInt(wait.Milliseconds(), 10)+"ms")
+	b.Queue(s.insert.sql, m.sum[:], m.attempt, m.expiresAt, m.activityType, m.fingerprint, m.result, strconv.FormatInt(wait.Milliseconds(), 10)+"ms")
 }
 
 func (s *store) readClaim(br pgx.BatchResults, m *marker) (bool, error) {
@@ -457,7 +457,7 @@ func (s *store) readClaim(br pgx.BatchResults, m *marker) (bool, error) {
 }
 
 // queueRead queues the read of m's committed marker; scanStored reads it.
-func (s *store) queueRead(b *pgx.Batch, m *marker) { b.Queue(s.read.sql, m.hash) }
+func (s *store) queueRead(b *pgx.Batch, m *marker) { b.Queue(s.read.sql, m.sum[:]) }
 
 func scanStored(br pgx.BatchResults) (st stored, found bool, err error) {
 	var fingerprint, result *string

@@ -158,6 +158,7 @@ const (
 
 type telemetry struct {
 	tracer   trace.Tracer
+	internal trace.SpanStartOption // trace.WithSpanKind(trace.SpanKindInternal), boxed once
 	meter    metric.Meter
 	attempts metric.Int64Counter
 	claim    metric.Float64Histogram
@@ -171,7 +172,19 @@ type telemetry struct {
 	// an error, so an attempt does not sort and hash them again; the
 	// cache stops growing at maxCachedSets.
 	setsMu sync.RWMutex
-	sets   map[setKey]metric.MeasurementOption
+	sets   map[setKey]measureOpts
+}
+
+// measureOpts is one attribute set as the option lists of the instruments'
+// calls, so a call with a cached set allocates no variadic slice.
+type measureOpts struct {
+	add    []metric.AddOption
+	record []metric.RecordOption
+}
+
+func newMeasureOpts(set attribute.Set) measureOpts {
+	o := metric.WithAttributeSet(set)
+	return measureOpts{add: []metric.AddOption{o}, record: []metric.RecordOption{o}}
 }
 
 // setKey is the attributes of an attempt's metrics that ended without an
@@ -187,8 +200,8 @@ const maxCachedSets = 4096
 
 func newTelemetry(tp trace.TracerProvider, mp metric.MeterProvider, sdkMetrics bool, table string) (*telemetry, error) {
 	meter := mp.Meter(ScopeName)
-	t := &telemetry{tracer: tp.Tracer(ScopeName), meter: meter, sdkMetrics: sdkMetrics, table: table,
-		sets: make(map[setKey]metric.MeasurementOption)}
+	t := &telemetry{tracer: tp.Tracer(ScopeName), internal: trace.WithSpanKind(trace.SpanKindInternal),
+		meter: meter, sdkMetrics: sdkMetrics, table: table, sets: make(map[setKey]measureOpts)}
 	var err error
 	if t.attempts, err = meter.Int64Counter(MetricAttempts,
 		metric.WithDescription("Wrapped activity attempts by dedup outcome."),
@@ -278,8 +291,9 @@ func (t *telemetry) start(ctx context.Context, info activity.Info, id Identity, 
 	if t.sdkMetrics && activity.IsActivity(ctx) {
 		r.sdk = activity.GetMetricsHandler(ctx)
 	}
-	ctx, r.span = t.tracer.Start(ctx, "Dedup:"+info.ActivityType.Name,
-		trace.WithSpanKind(trace.SpanKindInternal),
+	var hashHex [2 * len(hash)]byte
+	hex.Encode(hashHex[:], hash[:])
+	ctx, r.span = t.tracer.Start(ctx, "Dedup:"+info.ActivityType.Name, t.internal,
 		trace.WithAttributes(
 			dbSystemKey.String("postgresql"),
 			activityTypeKey.String(r.activityType),
@@ -290,7 +304,7 @@ func (t *telemetry) start(ctx context.Context, info activity.Info, id Identity, 
 			workflowIDKey.String(info.WorkflowExecution.ID),
 			runIDKey.String(info.WorkflowExecution.RunID),
 			IdentityKindKey.String(id.Kind.String()),
-			IdentityHashKey.String(hex.EncodeToString(hash[:])),
+			IdentityHashKey.String(string(hashHex[:])),
 		))
 	return ctx, r
 }
@@ -302,11 +316,11 @@ func (t *telemetry) end(ctx context.Context, r *record, err error) {
 	if err != nil {
 		errType = errorType(err)
 	}
-	attrs := t.metricAttrs(r, errType)
-	t.attempts.Add(ctx, 1, attrs)
-	t.claim.Record(ctx, r.claimWait.Seconds(), attrs)
+	o := t.metricAttrs(r, errType)
+	t.attempts.Add(ctx, 1, o.add...)
+	t.claim.Record(ctx, r.claimWait.Seconds(), o.record...)
 	if r.ranEffect {
-		t.effect.Record(ctx, r.effectTime.Seconds(), attrs)
+		t.effect.Record(ctx, r.effectTime.Seconds(), o.record...)
 	}
 	if r.sdk != nil {
 		tags := map[string]string{
@@ -326,6 +340,12 @@ func (t *telemetry) end(ctx context.Context, r *record, err error) {
 		}
 	}
 
+	// A span that is not recorded (not sampled, or no TracerProvider) is
+	// given no attributes: building them is most of what it would cost.
+	if !r.span.IsRecording() {
+		r.span.End()
+		return
+	}
 	r.span.SetAttributes(OutcomeKey.String(string(r.outcome)), ClaimWaitKey.Float64(r.claimWait.Seconds()))
 	if r.storedAttempt > 0 {
 		r.span.SetAttributes(StoredAttemptKey.Int64(int64(r.storedAttempt)))
@@ -340,7 +360,7 @@ func (t *telemetry) end(ctx context.Context, r *record, err error) {
 
 // metricAttrs returns the attributes of an attempt's metrics: outcome,
 // activity type, namespace, task queue and, when it failed, error.type.
-func (t *telemetry) metricAttrs(r *record, errType string) metric.MeasurementOption {
+func (t *telemetry) metricAttrs(r *record, errType string) measureOpts {
 	k := setKey{r.outcome, r.activityType, r.namespace, r.taskQueue}
 	full := true
 	if errType == "" {
@@ -359,9 +379,9 @@ func (t *telemetry) metricAttrs(r *record, errType string) metric.MeasurementOpt
 		taskQueueKey.String(r.taskQueue),
 	}
 	if errType != "" {
-		return metric.WithAttributeSet(attribute.NewSet(append(kv, errorTypeKey.String(errType))...))
+		return newMeasureOpts(attribute.NewSet(append(kv, errorTypeKey.String(errType))...))
 	}
-	o := metric.WithAttributeSet(attribute.NewSet(kv...))
+	o := newMeasureOpts(attribute.NewSet(kv...))
 	if !full {
 		t.setsMu.Lock()
 		if len(t.sets) < maxCachedSets {

@@ -216,7 +216,7 @@ func (w *wrapper[In, Out]) run(ctx context.Context, in In) (Out, error) {
 // returns; the SDK does the same round trip for an activity's result).
 func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Identity, in In, decodeClaimed bool) (out Out, a attempt, err error) {
 	a.outcome = OutcomeError
-	m, hash, err := w.d.newMarker(info, id, w.cfg.retention)
+	m, err := w.d.newMarker(info, id, w.cfg.retention)
 	if err != nil {
 		return out, a, err
 	}
@@ -227,8 +227,8 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 		m.scheduledAt = info.ScheduledTime
 	}
 
-	ctx, rec := w.d.tel.start(ctx, info, id, hash)
-	ctx = withEvent(ctx, hash)
+	ctx, rec := w.d.tel.start(ctx, info, id, m.sum)
+	ctx = withEvent(ctx, &m.sum)
 	defer func() {
 		if r := recover(); r != nil {
 			a.outcome = OutcomeEffectError
@@ -240,7 +240,7 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 		w.d.tel.end(ctx, rec, err)
 	}()
 
-	if err = m.fingerprintInput(id, in); err != nil {
+	if err = fingerprintInput(m, id, in); err != nil {
 		return out, a, err
 	}
 
