@@ -92,7 +92,7 @@ bench: deps $(TEMPORAL) ## Benchmarks: dedupactivity vs bare / status-record / c
 	$(GO) run ./cmd/bench $(BENCH_FLAGS)
 
 .PHONY: bench-instructions
-bench-instructions: deps ## Instructions per event, client and server, counted by valgrind (the same on a busy machine); BENCH_ROWS="row;row" picks rows.
+bench-instructions: deps ## Instructions per event, client and server, counted by valgrind; BENCH_ROWS="row;row" picks rows, RUNS=3 repeats each (the client count varies by run).
 	cmd/bench/instructions.sh $(if $(BENCH_ROWS),"$(BENCH_ROWS)")
 
 .PHONY: chaos

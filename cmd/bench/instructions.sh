@@ -11,7 +11,16 @@
 # 500 and 2500) twice: the client under callgrind against a plain server,
 # then the client plain against a server under callgrind; the counts'
 # difference over LARGE-SMALL is the cost per event, warm-up and setup left
-# out.
+# out. RUNS (default 1) repeats that per row and prints the smallest count and
+# the range.
+#
+# The server's count repeats within about 0.5%. The client's moves by up to
+# about 10% between runs of the same binary: the Go runtime's scheduler and
+# sysmon do work per unit of time (handing the P over around system calls,
+# looking for work), and callgrind slows the client some 50 times, by an
+# amount that varies with the machine. That work is not per event, so the
+# smallest of several runs is the closest to the client's cost; compare
+# client counts over RUNS=3 or more, and allocations, which repeat.
 # Needs valgrind (Debian: apt-get install valgrind) and the PostgreSQL server
 # binaries (make deps). Runs as root (the server as user postgres) or as a
 # user that can run initdb.
@@ -22,6 +31,7 @@ cd "$(dirname "$0")/../.."
 rows=${1:-"bare;seed recipe (plain pgx);dedupactivity;dedupactivity, business key;by hand: dedupactivity's SQL"}
 small=${SMALL:-500}
 large=${LARGE:-2500}
+runs=${RUNS:-1}
 
 command -v valgrind >/dev/null || { echo "valgrind is missing: apt-get install valgrind" >&2; exit 1; }
 bindir=${PG_BINDIR:-$(dirname "$(command -v initdb 2>/dev/null || ls /usr/lib/postgresql/*/bin/initdb | tail -n 1)")}
@@ -114,16 +124,22 @@ count() {
   echo "$client $server $allocs"
 }
 
-printf '| row | client instructions/event | server instructions/event | total | client allocations/event |\n|---|---:|---:|---:|---:|\n'
+printf '| row | client instructions/event | server instructions/event | total | client allocations/event | client range | server range |\n|---|---:|---:|---:|---:|---:|---:|\n'
 IFS=';' read -ra list <<<"$rows"
+n=$((large - small))
 for row in "${list[@]}"; do
-  first=$(count "$row" "$small")
-  second=$(count "$row" "$large")
-  read -r c1 s1 _ <<<"$first"
-  read -r c2 s2 a2 <<<"$second"
-  n=$((large - small))
-  c=$(((c2 - c1) / n)) s=$(((s2 - s1) / n))
-  printf '| %s | %d | %d | %d | %s |\n' "$row" "$c" "$s" $((c + s)) "$a2"
+  cs=() ss=()
+  for _ in $(seq "$runs"); do
+    first=$(count "$row" "$small")
+    second=$(count "$row" "$large")
+    read -r c1 s1 _ <<<"$first"
+    read -r c2 s2 a2 <<<"$second"
+    cs+=($(((c2 - c1) / n))) ss+=($(((s2 - s1) / n)))
+  done
+  read -r cmin cmax < <(printf '%s\n' "${cs[@]}" | sort -n | sed -n '1p;$p' | paste -sd' ')
+  read -r smin smax < <(printf '%s\n' "${ss[@]}" | sort -n | sed -n '1p;$p' | paste -sd' ')
+  cmax=${cmax:-$cmin} smax=${smax:-$smin}
+  printf '| %s | %d | %d | %d | %s | %d-%d | %d-%d |\n' "$row" "$cmin" "$smin" $((cmin + smin)) "$a2" "$cmin" "$cmax" "$smin" "$smax"
 done
 echo
-echo "(callgrind: $small and $large serial events per row, client and server counted in separate runs, the difference divided by $((large - small)); PostgreSQL $("$bindir/postgres" --version | awk '{print $3}'), $(go version | awk '{print $3}'))"
+echo "(callgrind: $small and $large serial events per row, client and server counted in separate runs, the difference divided by $n; the smallest of $runs run(s) per row, and the range; PostgreSQL $("$bindir/postgres" --version | awk '{print $3}'), $(go version | awk '{print $3}'))"

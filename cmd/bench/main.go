@@ -232,6 +232,11 @@ func run() error {
 // doing meanwhile.
 func serial(ctx context.Context, a approach, n int) error {
 	var before, after runtime.MemStats
+	// Every run starts its events right after a collection, so the
+	// collections within them fall at the same points from run to run: a
+	// difference of one cycle more or less between two runs moves a row by
+	// thousands of instructions per event.
+	runtime.GC()
 	runtime.ReadMemStats(&before)
 	for i := range n {
 		key := fmt.Sprintf("serial-%d", i)
@@ -240,8 +245,8 @@ func serial(ctx context.Context, a approach, n int) error {
 		}
 	}
 	runtime.ReadMemStats(&after)
-	fmt.Printf("%s: %d events, %.1f allocations and %.0f bytes allocated per event\n", a.name, n,
-		float64(after.Mallocs-before.Mallocs)/float64(n), float64(after.TotalAlloc-before.TotalAlloc)/float64(n))
+	fmt.Printf("%s: %d events, %.1f allocations and %.0f bytes allocated per event, %d GC cycles\n", a.name, n,
+		float64(after.Mallocs-before.Mallocs)/float64(n), float64(after.TotalAlloc-before.TotalAlloc)/float64(n), after.NumGC-before.NumGC)
 	return nil
 }
 
