@@ -11,8 +11,9 @@ import (
 // event.
 type eventKey struct{}
 
-// withEvent returns ctx carrying the identity hash of the event being applied
-// (its marker's, which does not change).
+// withEvent returns ctx carrying the identity hash of the event being applied:
+// its marker's sum, which does not change once made, and a marker is never
+// reused for another event.
 func withEvent(ctx context.Context, hash *[32]byte) context.Context {
 	return context.WithValue(ctx, eventKey{}, hash)
 }

@@ -244,7 +244,8 @@ func timeLiteral(t time.Time) string {
 	return "'" + t.UTC().Truncate(time.Microsecond).Format(time.RFC3339Nano) + "'::timestamptz"
 }
 
-// marker is the row the claim inserts.
+// marker is the row the claim inserts. One is made for each attempt and
+// never reused: the effect's context points at its sum (withEvent).
 type marker struct {
 	sum          [32]byte // SHA-256 of the identity's encoding: the key
 	attempt      int32

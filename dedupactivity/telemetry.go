@@ -157,13 +157,15 @@ const (
 )
 
 type telemetry struct {
-	tracer   trace.Tracer
-	internal trace.SpanStartOption // trace.WithSpanKind(trace.SpanKindInternal), boxed once
-	meter    metric.Meter
-	attempts metric.Int64Counter
-	claim    metric.Float64Histogram
-	effect   metric.Float64Histogram
-	pruned   metric.Int64Counter
+	tracer trace.Tracer
+	// kindInternal is trace.WithSpanKind(trace.SpanKindInternal), made
+	// once: each call of WithSpanKind allocates.
+	kindInternal trace.SpanStartOption
+	meter        metric.Meter
+	attempts     metric.Int64Counter
+	claim        metric.Float64Histogram
+	effect       metric.Float64Histogram
+	pruned       metric.Int64Counter
 	// sdkMetrics also records through activity.GetMetricsHandler.
 	sdkMetrics bool
 	table      string
@@ -200,7 +202,7 @@ const maxCachedSets = 4096
 
 func newTelemetry(tp trace.TracerProvider, mp metric.MeterProvider, sdkMetrics bool, table string) (*telemetry, error) {
 	meter := mp.Meter(ScopeName)
-	t := &telemetry{tracer: tp.Tracer(ScopeName), internal: trace.WithSpanKind(trace.SpanKindInternal),
+	t := &telemetry{tracer: tp.Tracer(ScopeName), kindInternal: trace.WithSpanKind(trace.SpanKindInternal),
 		meter: meter, sdkMetrics: sdkMetrics, table: table, sets: make(map[setKey]measureOpts)}
 	var err error
 	if t.attempts, err = meter.Int64Counter(MetricAttempts,
@@ -293,7 +295,7 @@ func (t *telemetry) start(ctx context.Context, info activity.Info, id Identity, 
 	}
 	var hashHex [2 * len(hash)]byte
 	hex.Encode(hashHex[:], hash[:])
-	ctx, r.span = t.tracer.Start(ctx, "Dedup:"+info.ActivityType.Name, t.internal,
+	ctx, r.span = t.tracer.Start(ctx, "Dedup:"+info.ActivityType.Name, t.kindInternal,
 		trace.WithAttributes(
 			dbSystemKey.String("postgresql"),
 			activityTypeKey.String(r.activityType),

@@ -2,6 +2,7 @@ package dedupactivity_test
 
 import (
 	"context"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"sync"
@@ -16,6 +17,7 @@ import (
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"go.opentelemetry.io/otel/trace"
 	"go.temporal.io/sdk/activity"
 	"go.temporal.io/sdk/client"
 	temporalotel "go.temporal.io/sdk/contrib/opentelemetry"
@@ -141,20 +143,22 @@ func TestTelemetryOutcomes(t *testing.T) {
 		outcome   dedupactivity.Outcome
 		status    codes.Code
 		errorType string
+		key       string // the business key
 	}{
-		{dedupactivity.OutcomeEffectError, codes.Error, "_OTHER"},
-		{dedupactivity.OutcomeClaimed, codes.Unset, ""},
-		{dedupactivity.OutcomeDuplicate, codes.Unset, ""},
-		{dedupactivity.OutcomePayloadMismatch, codes.Error, dedupactivity.ErrTypePayloadMismatch},
-		{dedupactivity.OutcomeClaimTimeout, codes.Error, dedupactivity.ErrTypeClaimTimeout}, // ends before the holder
-		{dedupactivity.OutcomeClaimed, codes.Unset, ""},                                     // the holder
-		{dedupactivity.OutcomeError, codes.Error, "DedupNotMigrated"},
+		{dedupactivity.OutcomeEffectError, codes.Error, "_OTHER", "k"},
+		{dedupactivity.OutcomeClaimed, codes.Unset, "", "k"},
+		{dedupactivity.OutcomeDuplicate, codes.Unset, "", "k"},
+		{dedupactivity.OutcomePayloadMismatch, codes.Error, dedupactivity.ErrTypePayloadMismatch, "k"},
+		{dedupactivity.OutcomeClaimTimeout, codes.Error, dedupactivity.ErrTypeClaimTimeout, "a"}, // ends before the holder
+		{dedupactivity.OutcomeClaimed, codes.Unset, "", "a"},                                     // the holder
+		{dedupactivity.OutcomeError, codes.Error, "DedupNotMigrated", "k"},
 	}
 	ended := b.spans.Ended()
 	require.Len(t, ended, len(want))
 	for i, w := range want {
 		s := ended[i]
 		require.Equal(t, "Dedup:Post", s.Name(), i)
+		require.Equal(t, trace.SpanKindInternal, s.SpanKind(), i)
 		require.Equal(t, string(w.outcome), attr(s, dedupactivity.OutcomeKey).AsString(), i)
 		require.Equal(t, w.status, s.Status().Code, "span %d (%s)", i, w.outcome)
 		require.Equal(t, w.errorType, attr(s, attribute.Key("error.type")).AsString(), "span %d (%s)", i, w.outcome)
@@ -173,7 +177,8 @@ func TestTelemetryOutcomes(t *testing.T) {
 		require.Equal(t, "Post", attr(s, "activity_type").AsString())
 		require.Equal(t, testNamespace, attr(s, "namespace").AsString())
 		require.Equal(t, testTaskQueue, attr(s, "task_queue").AsString())
-		require.Len(t, attr(s, dedupactivity.IdentityHashKey).AsString(), 64)
+		id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, Namespace: testNamespace, ActivityType: "Post", Key: w.key}
+		require.Equal(t, hex.EncodeToString(hashOf(id)), attr(s, dedupactivity.IdentityHashKey).AsString(), i)
 		require.Equal(t, attribute.FLOAT64, attr(s, dedupactivity.ClaimWaitKey).Type())
 	}
 	require.Equal(t, int64(1), attr(ended[2], dedupactivity.StoredAttemptKey).AsInt64(), "a duplicate names the attempt that applied the effect")

@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
 # Instructions per event, client and server, for bench rows, counted by
-# valgrind's callgrind: the same count for the same binaries and inputs
-# whatever else the machine is doing, so two versions of the library, or two
-# SQL shapes, compare on a shared, noisy machine where throughput cannot
-# tell a few percent apart. Kernel time (system calls, the loopback network)
-# is not counted: round trips cost more than this shows.
+# valgrind's callgrind: a count that does not follow what else the machine
+# is doing (the server's repeats; the client's, see below, over RUNS), so two
+# versions of the library, or two SQL shapes, compare on a shared, noisy
+# machine where throughput cannot tell a few percent apart. Kernel time
+# (system calls, the loopback network) is not counted: round trips cost more
+# than this shows.
 #
 # Usage: cmd/bench/instructions.sh ["row;row;..."]   (default: the core rows)
 # Each row runs SMALL and then LARGE serial events (cmd/bench -serial; default
 # 500 and 2500) twice: the client under callgrind against a plain server,
 # then the client plain against a server under callgrind; the counts'
 # difference over LARGE-SMALL is the cost per event, warm-up and setup left
-# out. RUNS (default 1) repeats that per row and prints the smallest count and
-# the range.
+# out. RUNS (default 1) repeats that per row and prints the smallest client
+# and the smallest server count (their total may mix two runs), and each
+# range; the allocations are the last run's (they repeat).
 #
 # The server's count repeats within about 0.5%. The client's moves by up to
-# about 10% between runs of the same binary: the Go runtime's scheduler and
+# about 15% between runs of the same binary (57.1k to 65.4k per event): the Go runtime's scheduler and
 # sysmon do work per unit of time (handing the P over around system calls,
 # looking for work), and callgrind slows the client some 50 times, by an
 # amount that varies with the machine. That work is not per event, so the
@@ -32,6 +34,7 @@ rows=${1:-"bare;seed recipe (plain pgx);dedupactivity;dedupactivity, business ke
 small=${SMALL:-500}
 large=${LARGE:-2500}
 runs=${RUNS:-1}
+[[ $runs =~ ^[1-9][0-9]*$ ]] || { echo "RUNS must be a positive integer, not '$runs'" >&2; exit 1; }
 
 command -v valgrind >/dev/null || { echo "valgrind is missing: apt-get install valgrind" >&2; exit 1; }
 bindir=${PG_BINDIR:-$(dirname "$(command -v initdb 2>/dev/null || ls /usr/lib/postgresql/*/bin/initdb | tail -n 1)")}
@@ -134,12 +137,12 @@ for row in "${list[@]}"; do
     second=$(count "$row" "$large")
     read -r c1 s1 _ <<<"$first"
     read -r c2 s2 a2 <<<"$second"
-    cs+=($(((c2 - c1) / n))) ss+=($(((s2 - s1) / n)))
+    cs+=("$(((c2 - c1) / n))") ss+=("$(((s2 - s1) / n))")
   done
+  # The first and last of the sorted counts (one run: the same line twice).
   read -r cmin cmax < <(printf '%s\n' "${cs[@]}" | sort -n | sed -n '1p;$p' | paste -sd' ')
   read -r smin smax < <(printf '%s\n' "${ss[@]}" | sort -n | sed -n '1p;$p' | paste -sd' ')
-  cmax=${cmax:-$cmin} smax=${smax:-$smin}
   printf '| %s | %d | %d | %d | %s | %d-%d | %d-%d |\n' "$row" "$cmin" "$smin" $((cmin + smin)) "$a2" "$cmin" "$cmax" "$smin" "$smax"
 done
 echo
-echo "(callgrind: $small and $large serial events per row, client and server counted in separate runs, the difference divided by $n; the smallest of $runs run(s) per row, and the range; PostgreSQL $("$bindir/postgres" --version | awk '{print $3}'), $(go version | awk '{print $3}'))"
+echo "(callgrind: $small and $large serial events per row, client and server counted in separate runs, the difference divided by $n; the smallest client and server counts of $runs run(s) per row, and their ranges; PostgreSQL $("$bindir/postgres" --version | awk '{print $3}'), $(go version | awk '{print $3}'))"
