@@ -2,6 +2,7 @@ package dedupactivity
 
 import (
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 )
@@ -27,4 +28,12 @@ func TestFingerprintOnlyBusinessKeys(t *testing.T) {
 
 	require.NoError(t, fingerprintInput(m, Identity{Kind: KindBusinessKey, Namespace: "ns", ActivityType: "T", Key: "k"}, in))
 	require.NotEmpty(t, m.fingerprint)
+}
+
+// TestAppendLockTimeout: a duration as the lock_timeout setting the claim and
+// partition maintenance send, in whole milliseconds.
+func TestAppendLockTimeout(t *testing.T) {
+	require.Equal(t, "250ms", string(appendLockTimeout(nil, 250*time.Millisecond)))
+	require.Equal(t, "1ms", string(appendLockTimeout(nil, 1500*time.Microsecond)))
+	require.Equal(t, "x86400000ms", string(appendLockTimeout([]byte("x"), maxClaimWait)))
 }

@@ -155,7 +155,7 @@ func (d *Deduper) dropExpiredPartitions(ctx context.Context, progress func(delet
 // partitionLockTimeout.
 func (d *Deduper) maintain(ctx context.Context, fn func(pgx.Tx) error) error {
 	return pgx.BeginFunc(ctx, d.pool, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, setLocalLockTimeoutSQL, fmt.Sprintf("%dms", partitionLockTimeout.Milliseconds())); err != nil {
+		if _, err := tx.Exec(ctx, setLocalLockTimeoutSQL, string(appendLockTimeout(nil, partitionLockTimeout))); err != nil {
 			return err
 		}
 		return fn(tx)

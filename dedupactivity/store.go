@@ -273,11 +273,18 @@ func (s *store) addInsertLast(t *trip, m *marker, wait time.Duration) {
 	t.add(s.insertLast)
 }
 
+// appendLockTimeout appends d as a lock_timeout setting in whole
+// milliseconds, such as "250ms". d must be at least a millisecond (see
+// claimWait): a lock_timeout of 0 waits for ever.
+func appendLockTimeout(b []byte, d time.Duration) []byte {
+	return append(strconv.AppendInt(b, d.Milliseconds(), 10), "ms"...)
+}
+
 // markerParams are the parameters of insert and insertLast: the marker, the
 // claim wait as a lock_timeout, and (partitioned) its scheduled time.
 func (s *store) markerParams(t *trip, m *marker, wait time.Duration) {
 	t.bytea(m.sum[:]).int4(m.attempt).timestamptz(m.expiresAt).text(m.activityType).bytea(m.fingerprint).bytea(m.result).
-		millis(wait)
+		lockTimeout(wait)
 	s.scheduledAt(t, m)
 }
 
@@ -440,7 +447,7 @@ func looked(t *trip, m *marker) (found bool, err error) {
 
 // queueClaim queues the claim on b; readClaim reads it (see claimed).
 func (s *store) queueClaim(b *pgx.Batch, m *marker, wait time.Duration) {
-	b.Queue(s.insert.sql, m.sum[:], m.attempt, m.expiresAt, m.activityType, m.fingerprint, m.result, strconv.FormatInt(wait.Milliseconds(), 10)+"ms")
+	b.Queue(s.insert.sql, m.sum[:], m.attempt, m.expiresAt, m.activityType, m.fingerprint, m.result, string(appendLockTimeout(nil, wait)))
 }
 
 func (s *store) readClaim(br pgx.BatchResults, m *marker) (bool, error) {

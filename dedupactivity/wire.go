@@ -22,7 +22,6 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"strconv"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -354,9 +353,9 @@ func (t *trip) tid(v pgtype.TID) *trip {
 	return t.end()
 }
 
-// millis is d as a text setting in milliseconds, such as "250ms".
-func (t *trip) millis(d time.Duration) *trip {
-	t.buf = append(strconv.AppendInt(t.buf, d.Milliseconds(), 10), "ms"...)
+// lockTimeout is d as a lock_timeout setting (see appendLockTimeout).
+func (t *trip) lockTimeout(d time.Duration) *trip {
+	t.buf = appendLockTimeout(t.buf, d)
 	return t.end()
 }
 

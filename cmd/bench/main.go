@@ -232,10 +232,10 @@ func run() error {
 // doing meanwhile.
 func serial(ctx context.Context, a approach, n int) error {
 	var before, after runtime.MemStats
-	// Every run starts its events right after a collection, so the
-	// collections within them fall at the same points from run to run: a
-	// difference of one cycle more or less between two runs moves a row by
-	// thousands of instructions per event.
+	// Every run starts its events right after a collection, so what the
+	// setup before left on the heap does not move the collections within
+	// them; the cycles are printed to compare runs (the run-to-run spread
+	// of the client's count is elsewhere: see instructions.sh).
 	runtime.GC()
 	runtime.ReadMemStats(&before)
 	for i := range n {
