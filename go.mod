@@ -2,6 +2,8 @@ module github.com/dedupactivity/dedupactivity
 
 go 1.26.0
 
+toolchain go1.27.3
+
 require (
 	github.com/jackc/pgx/v5 v5.12.0
 	github.com/prometheus/client_golang v1.25.0

@@ -2,6 +2,8 @@ module github.com/dedupactivity/dedupactivity/cmd
 
 go 1.26.0
 
+toolchain go1.27.3
+
 require (
 	github.com/dedupactivity/dedupactivity v0.0.0
 	github.com/golang-migrate/migrate/v4 v4.20.1

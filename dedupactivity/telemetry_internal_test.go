@@ -88,7 +88,7 @@ func TestTelemetryAllocations(t *testing.T) {
 		tel.end(ctx, r, nil)
 	}
 	attempt() // caches the attribute set
-	// 7 with go1.26.8 and OpenTelemetry v1.47.0 (13 before the end's attributes
+	// 7 with go1.26.8 and go1.27.3, OpenTelemetry v1.47.0 (13 before the end's attributes
 	// and the instruments' option slices were skipped): the record, the
 	// span's name, the hash's hex, the start attributes, their option and
 	// the options' slice, and the context holding the span.

@@ -29,6 +29,7 @@
 set -euo pipefail
 shopt -s inherit_errexit
 cd "$(dirname "$0")/../.."
+export GOTOOLCHAIN=${GOTOOLCHAIN:-go1.27.3} # as the Makefile: the counts depend on the toolchain
 
 rows=${1:-"bare;seed recipe (plain pgx);dedupactivity;dedupactivity, business key;by hand: dedupactivity's SQL"}
 small=${SMALL:-500}

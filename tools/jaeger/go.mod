@@ -2,6 +2,8 @@ module github.com/dedupactivity/dedupactivity/tools/jaeger
 
 go 1.26.0
 
+toolchain go1.27.3
+
 tool github.com/jaegertracing/jaeger/cmd/jaeger
 
 require (
