@@ -9,6 +9,9 @@ GO        ?= go
 # (go.mod's go line); GOTOOLCHAIN=local make ... builds with the Go on PATH.
 export GOTOOLCHAIN ?= go1.27.3
 GOVERSION := $(shell GOTOOLCHAIN=$(GOTOOLCHAIN) $(GO) env GOVERSION)
+ifeq ($(GOVERSION),)
+$(error "$(GO) env GOVERSION" gave nothing with GOTOOLCHAIN=$(GOTOOLCHAIN): is Go on PATH, and the module proxy reachable for the toolchain?)
+endif
 BIN       := $(CURDIR)/bin
 TEMPORAL  := $(BIN)/temporal
 TEMPORAL_CLI_VERSION := v1.5.1
@@ -26,7 +29,9 @@ export PATH := $(BIN):$(PATH)
 
 # Lint tools, built from the Go module proxy into bin/ (git-ignored) at pinned versions; a
 # stamp file per version and toolchain rebuilds a tool when either changes (staticcheck and
-# govulncheck must understand the toolchain's standard library).
+# govulncheck must understand the toolchain's standard library). A build removes the tool's
+# other stamps: they name the same binary, which it overwrites. The Temporal CLI and Jaeger are
+# programs the tests run, not tools that read this code: built once, whatever the toolchain.
 STATICCHECK_VERSION := v0.8.2
 GOVULNCHECK_VERSION := v1.9.0
 # govulncheck's database is built here, not fetched: the golang.org/x/vulndb module at this
@@ -115,11 +120,13 @@ chaos: deps $(TEMPORAL) ## Chaos run (~2 min): worker SIGKILLs, backend kills, r
 
 $(STATICCHECK):
 	@echo "building staticcheck $(STATICCHECK_VERSION) into bin/ (under a minute, once)"
+	@rm -f $(BIN)/.staticcheck-*
 	GOBIN=$(BIN) $(GO) install honnef.co/go/tools/cmd/staticcheck@$(STATICCHECK_VERSION)
 	@touch $@
 
 $(GOVULNCHECK):
 	@echo "building govulncheck $(GOVULNCHECK_VERSION) into bin/ (seconds, once)"
+	@rm -f $(BIN)/.govulncheck-*
 	GOBIN=$(BIN) $(GO) install golang.org/x/vuln/cmd/govulncheck@$(GOVULNCHECK_VERSION)
 	@touch $@
 
@@ -161,7 +168,7 @@ vulncheck: $(GOVULNCHECK) $(VULNDB_STAMP) ## govulncheck on the pinned database:
 
 .PHONY: lint
 lint: $(STATICCHECK) ## gofmt, go vet, staticcheck and govulncheck (tools built into bin/ at pinned versions).
-	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+	@out=$$("$$($(GO) env GOROOT)/bin/gofmt" -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet $(PKGS)
 	staticcheck $(PKGS)
 	@$(MAKE) --no-print-directory vulncheck
