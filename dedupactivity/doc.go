@@ -84,5 +84,6 @@
 // attribute says claimed, duplicate, payload_mismatch, effect_error,
 // claim_timeout or error, and the counter MetricAttempts and histograms
 // MetricClaimDuration and MetricEffectDuration. Span status is Error only for
-// failures: a duplicate is a normal outcome.
+// failures: a duplicate is a normal outcome. An attempt whose claim
+// prepared statements on its connection has a PrepareEvent.
 package dedupactivity

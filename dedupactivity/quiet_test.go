@@ -17,8 +17,9 @@ import (
 	"github.com/dedupactivity/dedupactivity/internal/pgtest"
 )
 
-// sqlTracer is a pgx QueryTracer and BatchTracer, as otelpgx is: it records
-// every statement sent and every error a statement returned.
+// sqlTracer is a pgx QueryTracer, BatchTracer and PrepareTracer, as otelpgx
+// is: it records every statement sent or prepared and every error one
+// returned.
 type sqlTracer struct {
 	mu     sync.Mutex
 	sql    []string
@@ -56,6 +57,17 @@ func (r *sqlTracer) TraceBatchQuery(_ context.Context, _ *pgx.Conn, d pgx.TraceB
 func (r *sqlTracer) TraceBatchEnd(_ context.Context, _ *pgx.Conn, d pgx.TraceBatchEndData) {
 	if d.Err != nil {
 		r.add("(batch end)", d.Err)
+	}
+}
+
+func (r *sqlTracer) TracePrepareStart(ctx context.Context, _ *pgx.Conn, d pgx.TracePrepareStartData) context.Context {
+	r.add("(prepare) "+d.SQL, nil)
+	return ctx
+}
+
+func (r *sqlTracer) TracePrepareEnd(_ context.Context, _ *pgx.Conn, d pgx.TracePrepareEndData) {
+	if d.Err != nil {
+		r.add("(prepare end)", d.Err)
 	}
 }
 
@@ -144,7 +156,7 @@ func TestNoErrorsAsControlFlow(t *testing.T) {
 	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM ledger`).Scan(&ledger))
 	require.Equal(t, 6, ledger, "one effect per table and identity")
 	require.Empty(t, tracer.errors, "no statement failed")
-	for _, fragment := range []string{`INSERT INTO "dedup_marker"`, `UPDATE "dedup_marker" SET result`, `FROM "dedup_marker" WHERE id_hash`} {
+	for _, fragment := range []string{`(prepare) INSERT INTO "dedup_marker"`, `INSERT INTO "dedup_marker"`, `UPDATE "dedup_marker" SET result`, `FROM "dedup_marker" WHERE id_hash`} {
 		require.True(t, tracer.saw(fragment), "the tracer saw %s", fragment)
 	}
 	logAfter, err := os.ReadFile(c.LogPath())

@@ -48,6 +48,9 @@ const (
 	// StoredAttemptKey is, on a duplicate, the attempt number that applied
 	// the effect.
 	StoredAttemptKey = attribute.Key("dedup.stored.attempt")
+	// PrepareStatementsKey is, on a PrepareEvent, how many statements the
+	// claim prepared on its connection in that round trip.
+	PrepareStatementsKey = attribute.Key("dedup.prepare.statements")
 	// errorTypeKey is the OpenTelemetry semantic convention error.type, set
 	// on spans and metrics of attempts that return an error (error_type in
 	// Prometheus). Its value is, in this order: the ErrType* constant of
@@ -113,6 +116,15 @@ const (
 	// table is empty or the query fails.
 	MetricOldestMarkerAge = "dedup.marker.oldest_age"
 )
+
+// PrepareEvent is the span event of an attempt whose claim first prepared
+// statements on its connection: once per connection for the claim's own,
+// and for each new text of an effect's first statement that rides with the
+// claim. That round trip is the attempt's, so the event explains a slower
+// first attempt on a new connection. Its attribute is PrepareStatementsKey.
+// A pgx Tracer that is a pgx.PrepareTracer (otelpgx) is told of each
+// statement, as pgx tells it of its own.
+const PrepareEvent = "dedup.prepare"
 
 // TableKey is the marker table's name on the markers' metrics: Options.Table,
 // or schema.table when Options.Schema is set.

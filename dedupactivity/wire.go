@@ -27,6 +27,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // stmt is one of the claim's statements: its SQL, the types of its
@@ -76,10 +77,11 @@ const maxRefused = 64
 // pgconn.CustomData): which statements are prepared there, and the parts of
 // the connection's configuration it needs, read once.
 type connState struct {
-	named  bool            // statements are prepared by name (QueryExecModeCacheStatement)
-	tracer pgx.BatchTracer // the connection's Tracer, when it traces batches
-	stmts  map[string]*prepared
-	clock  uint64 // counts prepare calls, for prepared.used
+	named      bool              // statements are prepared by name (QueryExecModeCacheStatement)
+	tracer     pgx.BatchTracer   // the connection's Tracer, when it traces batches
+	prepTracer pgx.PrepareTracer // the connection's Tracer, when it traces prepares
+	stmts      map[string]*prepared
+	clock      uint64 // counts prepare calls, for prepared.used
 	// drop are names of statements no longer in stmts (forgotten, or
 	// evicted to make room) but maybe still prepared on the server,
 	// deallocated by the next prepare.
@@ -114,6 +116,7 @@ func stateOf(conn *pgx.Conn) *connState {
 		refused: make(map[string]bool),
 	}
 	s.tracer, _ = cfg.Tracer.(pgx.BatchTracer)
+	s.prepTracer, _ = cfg.Tracer.(pgx.PrepareTracer)
 	data[connStateKey] = s
 	return s
 }
@@ -207,6 +210,15 @@ func (s *connState) prepare(ctx context.Context, conn *pgx.Conn, q string, stmts
 	}
 	for len(s.stmts)+len(todo) > maxStmts && s.evict() {
 	}
+	if span := trace.SpanFromContext(ctx); span.IsRecording() && len(todo) > 0 {
+		span.AddEvent(PrepareEvent, trace.WithAttributes(PrepareStatementsKey.Int(len(todo))))
+	}
+	var traced []context.Context // each statement's, from the PrepareTracer
+	if s.prepTracer != nil {
+		for _, st := range todo {
+			traced = append(traced, s.prepTracer.TracePrepareStart(ctx, conn, pgx.TracePrepareStartData{Name: st.name, SQL: st.sql}))
+		}
+	}
 	p := conn.PgConn().StartPipeline(ctx)
 	for _, name := range s.drop {
 		p.SendDeallocate(name)
@@ -224,12 +236,18 @@ func (s *connState) prepare(ctx context.Context, conn *pgx.Conn, q string, stmts
 	if err == nil {
 		s.drop = s.drop[:0]
 	}
-	for _, st := range todo {
+	for i, st := range todo {
 		if err != nil {
-			break
+			if traced != nil { // not prepared: an earlier one failed
+				s.prepTracer.TracePrepareEnd(traced[i], conn, pgx.TracePrepareEndData{Err: err})
+			}
+			continue
 		}
 		if _, err = p.GetResults(); err == nil { // the deallocation
 			err = s.readDescription(p, st)
+		}
+		if traced != nil {
+			s.prepTracer.TracePrepareEnd(traced[i], conn, pgx.TracePrepareEndData{Err: err})
 		}
 		if err != nil && st == qst {
 			if lasting(err) {

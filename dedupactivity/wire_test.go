@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -18,6 +19,8 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 )
@@ -353,6 +356,159 @@ func TestTracerSeesTheClaim(t *testing.T) {
 	require.Equal(t, []error{nil, nil}, tracer.ended)
 	require.Equal(t, []string{`UPDATE account SET balance = balance + $2 WHERE id = $1 RETURNING balance`}, tracer.queries,
 		"the effect's second statement goes through pgx")
+}
+
+// prepareKey holds, in the context TracePrepareStart returns, the name of
+// the statement it started.
+type prepareKey struct{}
+
+// prepareTracer records what a pgx PrepareTracer is told, beside a
+// batchTracer's record.
+type prepareTracer struct {
+	batchTracer
+	started []pgx.TracePrepareStartData
+	ended   []error
+}
+
+func (r *prepareTracer) TracePrepareStart(ctx context.Context, _ *pgx.Conn, d pgx.TracePrepareStartData) context.Context {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.started = append(r.started, d)
+	return context.WithValue(ctx, prepareKey{}, d.Name) // End must get Start's context
+}
+
+func (r *prepareTracer) TracePrepareEnd(ctx context.Context, _ *pgx.Conn, d pgx.TracePrepareEndData) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if name, _ := ctx.Value(prepareKey{}).(string); name != r.started[len(r.ended)].Name {
+		panic(fmt.Sprintf("prepare end %d has the context of %q, not of %q", len(r.ended), name, r.started[len(r.ended)].Name))
+	}
+	r.ended = append(r.ended, d.Err)
+}
+
+// take returns the claim's prepares started and ended since the last call;
+// pgx's own (the effect's other statements, which pgx prepares in its
+// statement cache) are left out.
+func (r *prepareTracer) take() (started []pgx.TracePrepareStartData, ended []error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for i, s := range r.started {
+		if strings.HasPrefix(s.Name, "dedupactivity_") {
+			started, ended = append(started, s), append(ended, r.ended[i])
+		}
+	}
+	r.started, r.ended = nil, nil
+	return started, ended
+}
+
+// TestPrepareTraced: the round trip that prepares statements on a
+// connection, the claim's own once and each new riding statement once, is
+// told to a pgx PrepareTracer (as otelpgx is), statement by statement with
+// the server's error when it refused one, and is a dedup.prepare event on
+// the attempt's span with the number of statements; an attempt that
+// prepares nothing has neither.
+func TestPrepareTraced(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	ctx := context.Background()
+	tracer := &prepareTracer{}
+	pool, _ := countingPool(t, b, func(c *pgxpool.Config) { c.ConnConfig.Tracer = tracer })
+	spans := tracetest.NewSpanRecorder()
+	d, err := dedupactivity.New(pool, dedupactivity.Options{TracerProvider: sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans))})
+	require.NoError(t, err)
+	prepareEvent := func() (n int64, ok bool) {
+		ended := spans.Ended()
+		require.NotEmpty(t, ended)
+		for _, ev := range ended[len(ended)-1].Events() {
+			if ev.Name == dedupactivity.PrepareEvent {
+				require.False(t, ok, "two prepare events on one span")
+				for _, kv := range ev.Attributes {
+					if kv.Key == dedupactivity.PrepareStatementsKey {
+						n, ok = kv.Value.AsInt64(), true
+					}
+				}
+				require.True(t, ok, "the event has no statement count")
+			}
+		}
+		return n, ok
+	}
+	in := Transfer{Account: "a", Amount: 1}
+
+	// A new connection: the claim's statements and the riding one.
+	_, outcome, err := dedupactivity.Do(ctx, d, runScoped("1"), in, b.post)
+	require.NoError(t, err)
+	require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
+	started, ended := tracer.take()
+	n, ok := prepareEvent()
+	require.True(t, ok)
+	require.Equal(t, int64(len(started)), n)
+	require.Equal(t, preparedByClaim(t, pool), n)
+	require.Equal(t, make([]error, len(started)), ended, "every prepare ended, without an error")
+	var sql []string
+	for _, s := range started {
+		require.Regexp(t, `^dedupactivity_[0-9a-f]+$`, s.Name)
+		sql = append(sql, s.SQL)
+	}
+	require.Contains(t, sql, `INSERT INTO ledger (account, amount) VALUES ($1, $2) RETURNING id`)
+
+	// Nothing new: nothing prepared, no event.
+	_, _, err = dedupactivity.Do(ctx, d, runScoped("2"), in, b.post)
+	require.NoError(t, err)
+	started, _ = tracer.take()
+	require.Empty(t, started)
+	_, ok = prepareEvent()
+	require.False(t, ok)
+
+	// A new first statement: that one only.
+	const audit = `INSERT INTO ledger (account, amount) VALUES ($1, $2 * 2) RETURNING id`
+	_, _, err = dedupactivity.Do(ctx, d, runScoped("3"), in, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+		var p Posting
+		return p, tx.QueryRow(ctx, audit, in.Account, in.Amount).Scan(&p.EntryID)
+	})
+	require.NoError(t, err)
+	started, ended = tracer.take()
+	require.Len(t, started, 1)
+	require.Equal(t, audit, started[0].SQL)
+	require.Equal(t, []error{nil}, ended)
+	n, ok = prepareEvent()
+	require.True(t, ok)
+	require.Equal(t, int64(1), n)
+
+	// A first statement the server refuses: its error, then the claim goes
+	// first and the effect's own statement fails as it would anyway.
+	const missing = `INSERT INTO no_such_table (x) VALUES ($1)`
+	_, outcome, err = dedupactivity.Do(ctx, d, runScoped("4"), in, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+		_, err := tx.Exec(ctx, missing, in.Account)
+		return Posting{}, err
+	})
+	require.Equal(t, "42P01", sqlStateOf(err))
+	require.Equal(t, dedupactivity.OutcomeEffectError, outcome)
+	started, ended = tracer.take()
+	require.Len(t, started, 1)
+	require.Equal(t, missing, started[0].SQL)
+	require.Len(t, ended, 1)
+	require.Equal(t, "42P01", sqlStateOf(ended[0]))
+	n, ok = prepareEvent()
+	require.True(t, ok)
+	require.Equal(t, int64(1), n)
+	require.Equal(t, int64(3), b.ledgerRows(t), "the three effects that could apply")
+
+	// A marker table not migrated: the prepare fails on its first statement
+	// that names the table, and every statement after it ends with that
+	// error (the server skipped them).
+	unmigrated, err := dedupactivity.New(pool, dedupactivity.Options{Table: "unmigrated"})
+	require.NoError(t, err)
+	_, _, err = dedupactivity.Do(ctx, unmigrated, runScoped("5"), in, b.post)
+	require.ErrorIs(t, err, dedupactivity.ErrNotMigrated)
+	started, ended = tracer.take()
+	require.Greater(t, len(started), 2)
+	first := slices.IndexFunc(ended, func(err error) bool { return err != nil })
+	require.GreaterOrEqual(t, first, 0, "no prepare ended with an error")
+	require.Less(t, first, len(ended)-1, "the failure is not the last statement: the test checks nothing after it")
+	for _, e := range ended[first:] {
+		require.Same(t, ended[first], e)
+	}
+	require.Equal(t, int64(3), b.ledgerRows(t))
 }
 
 // TestOtherExecModesPrepareNothing: with a QueryExecMode other than
