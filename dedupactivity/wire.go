@@ -158,11 +158,11 @@ func stale(err error) bool {
 // again: an error of the statement itself, not of the moment (a lock it
 // waited for, a cancellation, a deadlock, resources, the connection).
 func lasting(err error) bool {
-	var pgErr *pgconn.PgError
-	if !errors.As(err, &pgErr) || len(pgErr.Code) != 5 {
+	code := sqlState(err)
+	if len(code) != 5 {
 		return false
 	}
-	switch pgErr.Code[:2] {
+	switch code[:2] {
 	case "08", "40", "53", "55", "57", "58":
 		return false
 	}
@@ -237,19 +237,16 @@ func (s *connState) prepare(ctx context.Context, conn *pgx.Conn, q string, stmts
 		s.drop = s.drop[:0]
 	}
 	for i, st := range todo {
-		if err != nil {
-			if traced != nil { // not prepared: an earlier one failed
-				s.prepTracer.TracePrepareEnd(traced[i], conn, pgx.TracePrepareEndData{Err: err})
+		skipped := err != nil // an earlier one failed: the server skipped this one
+		if !skipped {
+			if _, err = p.GetResults(); err == nil { // the deallocation
+				err = s.readDescription(p, st)
 			}
-			continue
-		}
-		if _, err = p.GetResults(); err == nil { // the deallocation
-			err = s.readDescription(p, st)
 		}
 		if traced != nil {
 			s.prepTracer.TracePrepareEnd(traced[i], conn, pgx.TracePrepareEndData{Err: err})
 		}
-		if err != nil && st == qst {
+		if !skipped && err != nil && st == qst {
 			if lasting(err) {
 				if len(s.refused) >= maxRefused {
 					clear(s.refused)

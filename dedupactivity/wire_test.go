@@ -389,9 +389,11 @@ func (r *prepareTracer) TracePrepareEnd(ctx context.Context, _ *pgx.Conn, d pgx.
 // take returns the claim's prepares started and ended since the last call;
 // pgx's own (the effect's other statements, which pgx prepares in its
 // statement cache) are left out.
-func (r *prepareTracer) take() (started []pgx.TracePrepareStartData, ended []error) {
+func (r *prepareTracer) take(t *testing.T) (started []pgx.TracePrepareStartData, ended []error) {
+	t.Helper()
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	require.Len(t, r.ended, len(r.started), "every prepare started ends")
 	for i, s := range r.started {
 		if strings.HasPrefix(s.Name, "dedupactivity_") {
 			started, ended = append(started, s), append(ended, r.ended[i])
@@ -438,7 +440,7 @@ func TestPrepareTraced(t *testing.T) {
 	_, outcome, err := dedupactivity.Do(ctx, d, runScoped("1"), in, b.post)
 	require.NoError(t, err)
 	require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
-	started, ended := tracer.take()
+	started, ended := tracer.take(t)
 	n, ok := prepareEvent()
 	require.True(t, ok)
 	require.Equal(t, int64(len(started)), n)
@@ -454,7 +456,7 @@ func TestPrepareTraced(t *testing.T) {
 	// Nothing new: nothing prepared, no event.
 	_, _, err = dedupactivity.Do(ctx, d, runScoped("2"), in, b.post)
 	require.NoError(t, err)
-	started, _ = tracer.take()
+	started, _ = tracer.take(t)
 	require.Empty(t, started)
 	_, ok = prepareEvent()
 	require.False(t, ok)
@@ -466,7 +468,7 @@ func TestPrepareTraced(t *testing.T) {
 		return p, tx.QueryRow(ctx, audit, in.Account, in.Amount).Scan(&p.EntryID)
 	})
 	require.NoError(t, err)
-	started, ended = tracer.take()
+	started, ended = tracer.take(t)
 	require.Len(t, started, 1)
 	require.Equal(t, audit, started[0].SQL)
 	require.Equal(t, []error{nil}, ended)
@@ -483,7 +485,7 @@ func TestPrepareTraced(t *testing.T) {
 	})
 	require.Equal(t, "42P01", sqlStateOf(err))
 	require.Equal(t, dedupactivity.OutcomeEffectError, outcome)
-	started, ended = tracer.take()
+	started, ended = tracer.take(t)
 	require.Len(t, started, 1)
 	require.Equal(t, missing, started[0].SQL)
 	require.Len(t, ended, 1)
@@ -500,7 +502,7 @@ func TestPrepareTraced(t *testing.T) {
 	require.NoError(t, err)
 	_, _, err = dedupactivity.Do(ctx, unmigrated, runScoped("5"), in, b.post)
 	require.ErrorIs(t, err, dedupactivity.ErrNotMigrated)
-	started, ended = tracer.take()
+	started, ended = tracer.take(t)
 	require.Greater(t, len(started), 2)
 	first := slices.IndexFunc(ended, func(err error) bool { return err != nil })
 	require.GreaterOrEqual(t, first, 0, "no prepare ended with an error")
