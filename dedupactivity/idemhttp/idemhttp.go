@@ -23,6 +23,10 @@
 //   - A response of 500 or more, or a 408, 409, 425 or 429 (answers that
 //     ask the client to retry), rolls the handler's writes back and is not
 //     stored: the next request with the key runs the handler again.
+//   - So is a 3xx or 4xx given after a statement of the handler failed
+//     (the transaction is aborted: nothing of it can commit, the key's
+//     marker included); a 2xx given then is a 500, as the handler's writes
+//     are gone.
 //   - A request without a key is passed to the handler without a
 //     transaction (Tx returns false), or refused with 400 when
 //     Options.RequireKey is set.
@@ -148,7 +152,7 @@ type Options struct {
 
 	// ReplayHeaders are the response headers stored and replayed.
 	//
-	// Defaults to Content-Type, Location and ETag.
+	// Defaults to Content-Type, Content-Encoding, Location and ETag.
 	ReplayHeaders []string
 
 	// Logger records the error behind each 500 response; the client gets
@@ -181,12 +185,14 @@ func New(pool *pgxpool.Pool, opts Options) (*Middleware, error) {
 		opts.MaxBodyBytes = DefaultMaxBodyBytes
 	}
 	if opts.ReplayHeaders == nil {
-		opts.ReplayHeaders = []string{"Content-Type", "Location", "ETag"}
+		opts.ReplayHeaders = []string{"Content-Type", "Content-Encoding", "Location", "ETag"}
 	}
 	if opts.Logger == nil {
 		opts.Logger = slog.Default()
 	}
 	switch {
+	case opts.InFlightWait < time.Millisecond || opts.InFlightWait > 24*time.Hour:
+		return nil, fmt.Errorf("%w: InFlightWait must be between 1ms and 24h, got %v", dedupactivity.ErrInvalidOptions, opts.InFlightWait)
 	case opts.MaxBodyBytes < 0:
 		return nil, fmt.Errorf("%w: MaxBodyBytes must not be negative, got %d", dedupactivity.ErrInvalidOptions, opts.MaxBodyBytes)
 	case opts.Dedup.DiscardResults:
@@ -235,12 +241,22 @@ type response struct {
 	Body   []byte
 }
 
-// serverError is a handler response that is not stored (see storable): the transaction rolls
-// back and the response is passed on, not stored.
-type serverError struct{ rec *recorder }
+// passOn is a handler response that is not stored: one asking for a retry
+// (see storable), or a refusal (3xx, 4xx) given after a statement of the
+// handler failed, which aborted the transaction so that nothing can be
+// stored with it. The transaction rolls back and the response is passed
+// on; a retry runs the handler again.
+type passOn struct{ rec *recorder }
 
-func (e serverError) Error() string {
+func (e passOn) Error() string {
 	return fmt.Sprintf("idemhttp: handler answered %d", e.rec.status)
+}
+
+// aborted says whether a statement of the handler failed in tx, so that
+// the transaction can only roll back.
+func aborted(tx pgx.Tx) bool {
+	conn := tx.Conn()
+	return conn == nil || conn.PgConn().TxStatus() == 'E'
 }
 
 // identity is the event identity of key sent by caller (see Options.Caller).
@@ -301,13 +317,15 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 				if rec.status == 0 {
 					rec.status = http.StatusOK
 				}
-				if !storable(rec.status) {
-					return response{}, serverError{rec}
+				// A 2xx after a failed statement stays an error (500): the
+				// handler's writes are gone, so its success cannot be told.
+				if !storable(rec.status) || rec.status >= 300 && aborted(tx) {
+					return response{}, passOn{rec}
 				}
 				first = rec
 				return rec.stored(m.opts.ReplayHeaders), nil
 			})
-		var se serverError
+		var se passOn
 		switch {
 		case err == nil && outcome == dedupactivity.OutcomeClaimed:
 			writeResponse(w, first.status, first.header, first.body.Bytes())

@@ -354,6 +354,14 @@ func TestScopesSeparateKeys(t *testing.T) {
 	// Request keys are business keys, which the partitioned layout refuses.
 	_, err = idemhttp.New(s.Pool, idemhttp.Options{Dedup: dedupactivity.Options{PartitionInterval: time.Hour}})
 	require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions)
+	// A bad InFlightWait is named as the caller set it, not as the
+	// Dedup.ClaimWait it becomes.
+	for _, wait := range []time.Duration{-time.Second, time.Microsecond, 25 * time.Hour} {
+		_, err = idemhttp.New(s.Pool, idemhttp.Options{InFlightWait: wait})
+		require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions)
+		require.ErrorContains(t, err, "InFlightWait")
+		require.NotContains(t, err.Error(), "ClaimWait")
+	}
 }
 
 // TestCallersHaveTheirOwnKeys: with Options.Caller, the same key from two
@@ -506,4 +514,77 @@ func TestRedirectIsStoredAndRefused(t *testing.T) {
 	r := b.keyStatus(t, "k1")
 	require.Equal(t, http.StatusConflict, r.status)
 	require.JSONEq(t, `{"applied":false,"status":303}`, r.body)
+}
+
+// TestRefusalAfterAFailedStatement: a handler whose statement failed (the
+// transaction is aborted, nothing of it can commit) and that then answers
+// with a refusal gets that answer to the client, not stored, so a retry
+// runs the handler again; one that answers 2xx after it gets 500, since its
+// writes are gone.
+func TestRefusalAfterAFailedStatement(t *testing.T) {
+	t.Parallel()
+	s, m := newMiddleware(t, idemhttp.Options{})
+	var runs atomic.Int64
+	var status atomic.Int64
+	h := m.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		runs.Add(1)
+		tx, _ := idemhttp.Tx(r.Context())
+		if _, err := tx.Exec(r.Context(), `INSERT INTO receipt (body) VALUES ($1)`, nil); err == nil {
+			t.Error("a NULL body was inserted")
+		}
+		w.WriteHeader(int(status.Load()))
+		_, _ = w.Write([]byte(`{"error":"receipt rejected"}`))
+	}))
+	serve := func(key string) *httptest.ResponseRecorder {
+		rec := httptest.NewRecorder()
+		req := httptest.NewRequest(http.MethodPost, "/receipts", strings.NewReader("{}"))
+		req.Header.Set("Idempotency-Key", key)
+		h.ServeHTTP(rec, req)
+		return rec
+	}
+	for _, code := range []int{http.StatusUnprocessableEntity, http.StatusBadRequest, http.StatusSeeOther} {
+		status.Store(int64(code))
+		before := runs.Load()
+		for range 2 {
+			rec := serve("refused-" + itoa(int64(code)))
+			require.Equal(t, code, rec.Code, "the handler's answer, passed on")
+			require.JSONEq(t, `{"error":"receipt rejected"}`, rec.Body.String())
+			require.Empty(t, rec.Header().Get(idemhttp.ReplayedHeader))
+		}
+		require.Equal(t, before+2, runs.Load(), "not stored: the second request ran the handler again")
+		applied, err := m.Applied(context.Background(), "refused-"+itoa(int64(code)))
+		require.NoError(t, err, "the key is unknown, not rejected")
+		require.False(t, applied)
+	}
+	status.Store(http.StatusCreated)
+	rec := serve("created")
+	require.Equal(t, http.StatusInternalServerError, rec.Code, "a success whose writes failed is not told as one")
+	var markers int
+	require.NoError(t, s.Pool.QueryRow(context.Background(), `SELECT count(*) FROM dedup_marker`).Scan(&markers))
+	require.Zero(t, markers)
+}
+
+// TestContentEncodingIsReplayed: a compressed first answer is replayed with
+// its Content-Encoding, or the client could not read the stored bytes.
+func TestContentEncodingIsReplayed(t *testing.T) {
+	t.Parallel()
+	_, m := newMiddleware(t, idemhttp.Options{})
+	h := m.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Encoding", "gzip")
+		w.WriteHeader(http.StatusCreated)
+		_, _ = w.Write([]byte{0x1f, 0x8b})
+	}))
+	var got []*httptest.ResponseRecorder
+	for range 2 {
+		rec := httptest.NewRecorder()
+		req := httptest.NewRequest(http.MethodPost, "/x", strings.NewReader("{}"))
+		req.Header.Set("Idempotency-Key", "k")
+		h.ServeHTTP(rec, req)
+		got = append(got, rec)
+	}
+	require.Equal(t, "true", got[1].Header().Get(idemhttp.ReplayedHeader))
+	for _, rec := range got {
+		require.Equal(t, "gzip", rec.Header().Get("Content-Encoding"))
+		require.Equal(t, []byte{0x1f, 0x8b}, rec.Body.Bytes())
+	}
 }
