@@ -266,25 +266,33 @@ FROM `+t+`
 WHERE state = 'dead'
    OR (state = 'pending' AND unacked_since < now() - make_interval(secs => $1))
    OR (state = 'sending' AND lease_until < now() AND unacked_since < now() - make_interval(secs => $1))
-ORDER BY (state = 'dead' AND requeues >= $3), id LIMIT $2`, rc.cfg.UnackedAfter.Seconds(), rc.cfg.MaxMessages, rc.cfg.MaxRequeues)
+ORDER BY (state = 'dead' AND requeues >= $3), checked_at NULLS FIRST, id LIMIT $2`, rc.cfg.UnackedAfter.Seconds(), rc.cfg.MaxMessages, rc.cfg.MaxRequeues)
 	if err != nil {
 		return rep, fmt.Errorf("outbox: reconcile: %w", translate(err))
 	}
 	type candidate struct {
-		d         Delivery
-		requeues  int
-		state     State
-		lastError string
+		d          Delivery
+		requeues   int
+		state      State
+		lastError  string
+		unreadable error // the headers'
 	}
 	var cands []candidate
 	for rows.Next() {
 		var c candidate
 		var state string
-		if err := rows.Scan(&c.d.ID, &c.d.Key, &c.d.Destination, &c.d.Name, &c.d.Headers, &c.d.Payload, &c.d.Attempt, &c.requeues, &state, &c.lastError); err != nil {
+		var headers []byte
+		if err := rows.Scan(&c.d.ID, &c.d.Key, &c.d.Destination, &c.d.Name, &headers, &c.d.Payload, &c.d.Attempt, &c.requeues, &state, &c.lastError); err != nil {
 			rows.Close()
 			return rep, fmt.Errorf("outbox: reconcile: %w", err)
 		}
 		c.state = State(state)
+		// As the relay reads them (see claim): a row another producer wrote
+		// with headers that are not an object of strings is reported alone,
+		// instead of failing every run.
+		if err := json.Unmarshal(headers, &c.d.Headers); err != nil {
+			c.unreadable = err
+		}
 		cands = append(cands, c)
 	}
 	rows.Close()
@@ -292,7 +300,9 @@ ORDER BY (state = 'dead' AND requeues >= $3), id LIMIT $2`, rc.cfg.UnackedAfter.
 		return rep, fmt.Errorf("outbox: reconcile: %w", translate(err))
 	}
 	// Dead letters out of re-queues come last, so they cannot crowd out
-	// the messages a run can still settle.
+	// the messages a run can still settle; among the rest, those a run
+	// could not settle (checked_at set) come after those not yet asked, so
+	// messages whose check never gets an answer do not either.
 	for _, c := range cands {
 		if ctx.Err() != nil {
 			return rep, ctx.Err()
@@ -301,15 +311,29 @@ ORDER BY (state = 'dead' AND requeues >= $3), id LIMIT $2`, rc.cfg.UnackedAfter.
 			activity.RecordHeartbeat(ctx, rep.Checked) // each check may take the Checker's timeout
 		}
 		rep.Checked++
-		unresolved := func(reason string) {
+		// unresolved reports the message and marks it checked, so that the
+		// next run asks about the others first.
+		unresolved := func(reason string) error {
 			rep.Unresolved = append(rep.Unresolved, Unresolved{Key: c.d.Key, Destination: c.d.Destination, State: c.state,
 				Attempts: c.d.Attempt, LastError: c.lastError, Reason: reason})
 			rc.count(ctx, "unresolved", c.d.Destination)
+			if _, err := rc.ob.pool.Exec(ctx, `UPDATE `+t+` SET checked_at = now() WHERE id = $1`, c.d.ID); err != nil {
+				return fmt.Errorf("outbox: reconcile %s: %w", c.d.Key, translate(err))
+			}
+			return nil
+		}
+		if c.unreadable != nil {
+			if err := unresolved("never sent: its headers are not a JSON object of strings: " + c.unreadable.Error()); err != nil {
+				return rep, err
+			}
+			continue
 		}
 		applied, cerr := rc.cfg.Checker.Applied(ctx, c.d)
 		rejected := errors.Is(cerr, ErrRejected)
 		if cerr != nil && !rejected {
-			unresolved("unknown: " + cerr.Error())
+			if err := unresolved("unknown: " + cerr.Error()); err != nil {
+				return rep, err
+			}
 			continue
 		}
 		var sql string
@@ -323,7 +347,9 @@ WHERE id = $1 AND state = $2 AND attempts = $3`
 			sql = `UPDATE ` + t + ` SET state = 'applied', settled_at = now(), lease_until = NULL, unacked_since = NULL
 WHERE id = $1 AND state = $2 AND attempts = $3`
 		case c.state == StateDead && c.requeues >= rc.cfg.MaxRequeues:
-			unresolved(fmt.Sprintf("not applied at the destination; dead after %d re-queues", c.requeues))
+			if err := unresolved(fmt.Sprintf("not applied at the destination; dead after %d re-queues", c.requeues)); err != nil {
+				return rep, err
+			}
 			continue
 		case c.state == StateDead:
 			sql = `UPDATE ` + t + ` SET state = 'pending', requeues = requeues + 1, tries = 0, next_attempt_at = now(),

@@ -448,3 +448,58 @@ func TestReconcilerSpentDeadLettersComeLast(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, outbox.ReconcileReport{Checked: 1, Requeued: 1}, rep, "the unacknowledged message, not a spent dead letter")
 }
+
+// TestReconcilerReportsUnreadableHeaders: a dead row another producer wrote,
+// whose headers are not an object of strings (the relay made it dead
+// without sending it), is reported as unresolved on its own; the other
+// messages of the run are still settled.
+func TestReconcilerReportsUnreadableHeaders(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	rv := newReceiver(t)
+	ctx := context.Background()
+	_, err := b.schema.Pool.Exec(ctx, `INSERT INTO dedup_outbox (idempotency_key, event_key, destination, name, headers, payload)
+VALUES ('foreign-1', '', 'receipts', 'receipt', '{"a":1}', '{}')`)
+	require.NoError(t, err)
+	res, err := b.relayTo(t, rv.URL+"/receipts", outbox.RelayConfig{}).RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, outbox.RelayResult{Dead: 1}, res)
+	keys := b.placeN(t, 1)
+	_, err = b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET state = 'dead' WHERE idempotency_key = $1`, keys[0])
+	require.NoError(t, err)
+	rc, err := outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{Checker: rv.checker()})
+	require.NoError(t, err)
+	rep, err := rc.Reconcile(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 2, rep.Checked)
+	require.Equal(t, 1, rep.Requeued, "the readable dead letter")
+	require.Len(t, rep.Unresolved, 1)
+	require.Equal(t, "foreign-1", rep.Unresolved[0].Key)
+	require.Contains(t, rep.Unresolved[0].Reason, "never sent: its headers are not a JSON object of strings")
+}
+
+// TestReconcilerUnansweredChecksGoLast: messages whose check gets no answer
+// (here: a destination the Checker cannot ask) do not hold the first
+// MaxMessages places run after run; the next run asks about the others.
+func TestReconcilerUnansweredChecksGoLast(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	rv := newReceiver(t)
+	ctx := context.Background()
+	keys := b.placeN(t, 3)
+	_, err := b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET state = 'dead', destination = 'legacy' WHERE idempotency_key = ANY($1)`, keys[:2])
+	require.NoError(t, err)
+	_, err = b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET state = 'dead' WHERE idempotency_key = $1`, keys[2])
+	require.NoError(t, err)
+	rc, err := outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{Checker: rv.checker(), MaxMessages: 2})
+	require.NoError(t, err)
+	rep, err := rc.Reconcile(ctx)
+	require.NoError(t, err)
+	require.Len(t, rep.Unresolved, 2, "the first run asks about the two first by id, and cannot")
+	require.Zero(t, rep.Requeued)
+	rep, err = rc.Reconcile(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 1, rep.Requeued, "the second asks about the one not yet asked first")
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE idempotency_key = $1 AND state = 'pending'`, keys[2]))
+	require.Equal(t, 2, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE destination = 'legacy' AND checked_at IS NOT NULL`))
+}

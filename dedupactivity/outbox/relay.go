@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"runtime/debug"
 	"time"
 
 	"go.opentelemetry.io/otel"
@@ -53,7 +54,10 @@ type RelayConfig struct {
 
 	// MaxAttempts is how many failed sends make a message dead (StateDead,
 	// with its last error). A permanent error (ErrPermanent) makes it dead
-	// at once.
+	// at once. A send that panics is a failed one. So that a message whose
+	// send stops the process (a crash, an out-of-memory kill) does not stop
+	// every relay in turn, one leased more than MaxAttempts times without a
+	// recorded outcome is made dead without being sent.
 	//
 	// Defaults to DefaultMaxAttempts (10).
 	MaxAttempts int
@@ -240,6 +244,13 @@ func (r *Relay) runOnce(ctx context.Context, progress func(RelayResult)) (RelayR
 			// left with too little of it go back for the next claim.
 			if time.Until(leaseEnd) < r.cfg.Lease/4 {
 				r.release(ctx, batch[i:])
+				if i == 0 {
+					// The claim itself took most of the lease (a slow
+					// database): claiming again at once would spin on the
+					// same messages. The pass ends; Run waits before the
+					// next.
+					return res, nil
+				}
 				break
 			}
 			if err := r.deliver(ctx, leaseEnd, d, &res); err != nil {
@@ -304,8 +315,14 @@ func (r *Relay) deliver(ctx context.Context, leaseEnd time.Time, d Delivery, res
 	ctx, span := r.tel.startSend(ctx, d)
 	sendCtx, cancelSend := context.WithDeadline(ctx, leaseEnd)
 	sendErr := d.unreadable
+	if sendErr == nil && d.tries > r.cfg.MaxAttempts {
+		// Leased more often than it may be sent, each lease ended without
+		// an outcome: a relay died while sending it (a Sender that crashes
+		// the process on this message, say). It is not sent again.
+		sendErr = fmt.Errorf("%w: leased %d times without a recorded outcome (MaxAttempts %d): a relay stopped while sending it", ErrPermanent, d.tries, r.cfg.MaxAttempts)
+	}
 	if sendErr == nil {
-		sendErr = r.cfg.Sender.Send(sendCtx, d)
+		sendErr = r.send(sendCtx, d)
 	}
 	cancelSend()
 	if sendErr != nil && ctx.Err() != nil {
@@ -361,6 +378,18 @@ func (r *Relay) deliver(ctx context.Context, leaseEnd time.Time, d Delivery, res
 		return ctx.Err()
 	}
 	return nil
+}
+
+// send calls the Sender; a panic in it is a failed send (retried, then
+// dead after MaxAttempts), not the end of the process running the relay.
+func (r *Relay) send(ctx context.Context, d Delivery) (err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			r.cfg.Logger.Error("outbox sender panicked", "key", d.Key, "panic", p, "stack", string(debug.Stack()))
+			err = fmt.Errorf("outbox: sender panicked: %v", p)
+		}
+	}()
+	return r.cfg.Sender.Send(ctx, d)
 }
 
 // ack marks d sent, if this relay still holds its lease (attempts is the

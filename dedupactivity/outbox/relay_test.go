@@ -1,9 +1,11 @@
 package outbox_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -226,6 +228,95 @@ VALUES ('foreign-1', '', 'receipts', 'receipt', '{"a":1}', '{}')`)
 	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE idempotency_key = 'foreign-1' AND state = 'dead' AND last_error LIKE '%headers%'`))
 	dest.mu.Lock()
 	require.Zero(t, dest.received["foreign-1"], "not sent")
+	dest.mu.Unlock()
+}
+
+// TestSenderPanicIsAFailedSend: a Sender that panics fails that send,
+// which is retried and then dead like any other, instead of ending the
+// process that runs the relay.
+func TestSenderPanicIsAFailedSend(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.placeN(t, 1)
+	var logged bytes.Buffer
+	r := b.relay(t, nil, outbox.RelayConfig{MaxAttempts: 2, MinBackoff: time.Millisecond, MaxBackoff: time.Millisecond,
+		Logger: slog.New(slog.NewTextHandler(&logged, nil)),
+		Sender: outbox.SenderFunc(func(context.Context, outbox.Delivery) error { panic("poison") })})
+	ctx := context.Background()
+	res, err := r.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, outbox.RelayResult{Retried: 1}, res)
+	require.Eventually(t, func() bool {
+		res, err := r.RunOnce(ctx)
+		require.NoError(t, err)
+		return res.Dead == 1
+	}, 10*time.Second, 20*time.Millisecond)
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'dead' AND tries = 2 AND last_error LIKE '%sender panicked: poison%'`))
+	require.Contains(t, logged.String(), "outbox sender panicked", "with its stack")
+}
+
+// TestMessageThatStopsEveryRelayGoesDead: a message whose send stops the
+// relay before it records the outcome (here the after-send hook; in life a
+// crash or an out-of-memory kill on that payload) is sent at most
+// MaxAttempts times, then made dead without a send, instead of stopping
+// each relay that leases it, forever.
+func TestMessageThatStopsEveryRelayGoesDead(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	dest := newDestination(t, nil)
+	keys := b.placeN(t, 1)
+	ctx := context.Background()
+	const lease = 200 * time.Millisecond
+	for range 2 {
+		crashing := b.relay(t, dest, outbox.RelayConfig{Lease: lease, MaxAttempts: 2})
+		outbox.SetAfterSendHook(crashing, func(outbox.Delivery) error { return errors.New("killed") })
+		require.Eventually(t, func() bool {
+			_, err := crashing.RunOnce(ctx)
+			return err != nil // leased (once its last lease expired), sent and "killed"
+		}, 10*time.Second, 20*time.Millisecond)
+	}
+	require.Equal(t, 2, dest.count(keys[0]))
+	last := b.relay(t, dest, outbox.RelayConfig{Lease: lease, MaxAttempts: 2})
+	require.Eventually(t, func() bool {
+		res, err := last.RunOnce(ctx)
+		require.NoError(t, err)
+		return res.Dead == 1
+	}, 10*time.Second, 20*time.Millisecond)
+	require.Equal(t, 2, dest.count(keys[0]), "not sent a third time")
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'dead' AND tries = 3 AND last_error LIKE '%leased 3 times without a recorded outcome%'`))
+}
+
+// TestSlowClaimEndsThePass: when the claim itself takes most of the lease,
+// the batch is handed back unsent and the pass ends, instead of claiming
+// the same messages again at once, without end.
+func TestSlowClaimEndsThePass(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	dest := newDestination(t, nil)
+	b.placeN(t, 1)
+	ctx := context.Background()
+	_, err := b.schema.Pool.Exec(ctx, `CREATE FUNCTION slow_lease() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+	IF NEW.state = 'sending' THEN PERFORM pg_sleep(0.09); END IF;
+	RETURN NEW;
+END $$;
+CREATE TRIGGER slow_lease BEFORE UPDATE ON dedup_outbox FOR EACH ROW EXECUTE FUNCTION slow_lease()`)
+	require.NoError(t, err)
+	r := b.relay(t, dest, outbox.RelayConfig{Lease: 100 * time.Millisecond, BatchSize: 1})
+	done := make(chan error, 1)
+	go func() {
+		_, err := r.RunOnce(ctx)
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		require.NoError(t, err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("RunOnce kept claiming the message it handed back")
+	}
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'pending' AND tries = 0`), "handed back, its try not counted")
+	dest.mu.Lock()
+	require.Empty(t, dest.received, "nothing sent")
 	dest.mu.Unlock()
 }
 

@@ -1,0 +1,1 @@
+ALTER TABLE dedup_outbox DROP COLUMN IF EXISTS checked_at;
