@@ -46,7 +46,12 @@ type Posting struct {
 	TransferID string
 	Account    string
 	Amount     int64
-	Faults     Faults
+	// Counterparty is, for Debit, the account the transfer then credits.
+	// The debit checks in its transaction that it exists, so that a
+	// transfer to an unknown account fails before money moves, not at its
+	// credit, with the debit applied. Empty: not checked.
+	Counterparty string
+	Faults       Faults
 }
 
 // Receipt is what a posting returns: the ledger entry and the balance after
@@ -75,6 +80,25 @@ type ReceiptMessage struct {
 // zero. It reaches the workflow as a non-retryable ApplicationError of type
 // "InsufficientFunds".
 var ErrInsufficientFunds = errors.New("insufficient funds")
+
+// ErrUnknownAccount is returned by Debit and Credit for an account that
+// does not exist (Debit also for its Counterparty). It reaches the workflow
+// as a non-retryable ApplicationError of type "UnknownAccount": a retry
+// would fail the same way.
+var ErrUnknownAccount = errors.New("unknown account")
+
+// Error types of the activities' non-retryable ApplicationErrors.
+const (
+	InsufficientFundsType = "InsufficientFunds"
+	UnknownAccountType    = "UnknownAccount"
+)
+
+// unknownAccount is the non-retryable error for account, which does not
+// exist.
+func unknownAccount(account string) error {
+	err := fmt.Errorf("%w %q", ErrUnknownAccount, account)
+	return temporal.NewNonRetryableApplicationError(err.Error(), UnknownAccountType, err)
+}
 
 // Activities holds the ledger's activities. Build it with New and register
 // it as any Temporal activities struct (worker.RegisterActivity(a), with
@@ -118,14 +142,31 @@ func (a *Activities) Credit(ctx context.Context, in Posting) (Receipt, error) {
 // DebitEffect is Debit's effect, a dedupactivity.EffectFunc: all its writes
 // go through tx.
 func DebitEffect(ctx context.Context, tx pgx.Tx, in Posting) (Receipt, error) {
-	r, err := post(ctx, tx, in, "debit", -in.Amount)
-	if err != nil {
-		var pgErr interface{ SQLState() string }
-		if errors.As(err, &pgErr) && pgErr.SQLState() == "23514" { // check_violation: balance >= 0
-			return r, temporal.NewNonRetryableApplicationError(ErrInsufficientFunds.Error(), "InsufficientFunds", ErrInsufficientFunds)
+	if in.Counterparty != "" {
+		// FOR KEY SHARE: the account cannot be deleted before this
+		// transaction ends.
+		var found bool
+		if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT FROM account WHERE id = $1 FOR KEY SHARE)`, in.Counterparty).Scan(&found); err != nil {
+			return Receipt{}, fmt.Errorf("look up account %q: %w", in.Counterparty, err)
+		}
+		if !found {
+			return Receipt{}, unknownAccount(in.Counterparty)
 		}
 	}
+	r, err := post(ctx, tx, in, "debit", -in.Amount)
+	if sqlState(err) == "23514" { // check_violation: balance >= 0
+		return r, temporal.NewNonRetryableApplicationError(ErrInsufficientFunds.Error(), InsufficientFundsType, ErrInsufficientFunds)
+	}
 	return r, err
+}
+
+// sqlState is the SQLSTATE of a PostgreSQL error in err's chain, or "".
+func sqlState(err error) string {
+	var pgErr interface{ SQLState() string }
+	if errors.As(err, &pgErr) {
+		return pgErr.SQLState()
+	}
+	return ""
 }
 
 // CreditEffect is the posting of Credit's effect, a
@@ -153,6 +194,9 @@ func post(ctx context.Context, tx pgx.Tx, in Posting, kind string, delta int64) 
 	if err := tx.QueryRow(ctx,
 		`INSERT INTO ledger_entry (transfer_id, account, amount, kind, attempt) VALUES ($1, $2, $3, $4, $5) RETURNING id`,
 		in.TransferID, in.Account, delta, kind, r.Attempt).Scan(&r.EntryID); err != nil {
+		if sqlState(err) == "23503" { // foreign_key_violation: no such account
+			return r, unknownAccount(in.Account)
+		}
 		return r, fmt.Errorf("insert %s entry: %w", kind, err)
 	}
 	if err := tx.QueryRow(ctx,

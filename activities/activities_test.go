@@ -72,6 +72,38 @@ func TestDebitInsufficientFunds(t *testing.T) {
 	require.Zero(t, n, "rolled back")
 }
 
+// TestUnknownAccount: a debit whose counterparty, or a posting whose own
+// account, does not exist fails with the non-retryable UnknownAccount and
+// writes nothing, so a transfer to an unknown account moves no money.
+func TestUnknownAccount(t *testing.T) {
+	t.Parallel()
+	env, s := setup(t)
+	for _, c := range []struct {
+		name    string
+		posting activities.Posting
+	}{
+		{activities.DebitName, activities.Posting{TransferID: "t1", Account: "a", Amount: 5, Counterparty: "nobody"}},
+		{activities.DebitName, activities.Posting{TransferID: "t2", Account: "nobody", Amount: 5, Counterparty: "b"}},
+		{activities.CreditName, activities.Posting{TransferID: "t3", Account: "nobody", Amount: 5}},
+	} {
+		_, err := env.ExecuteActivity(c.name, c.posting)
+		var appErr *temporal.ApplicationError
+		require.ErrorAs(t, err, &appErr, "%s %+v", c.name, c.posting)
+		require.Equal(t, activities.UnknownAccountType, appErr.Type())
+		require.True(t, appErr.NonRetryable())
+		require.ErrorContains(t, err, `"nobody"`)
+	}
+	var entries, sum int64
+	require.NoError(t, s.Pool.QueryRow(context.Background(), `SELECT (SELECT count(*) FROM ledger_entry), (SELECT sum(balance) FROM account)`).Scan(&entries, &sum))
+	require.Zero(t, entries, "rolled back")
+	require.Equal(t, int64(200), sum, "no money moved")
+	val, err := env.ExecuteActivity(activities.DebitName, activities.Posting{TransferID: "t4", Account: "a", Amount: 5, Counterparty: "b"})
+	require.NoError(t, err, "a known counterparty")
+	var r activities.Receipt
+	require.NoError(t, val.Get(&r))
+	require.Equal(t, int64(95), r.Balance)
+}
+
 func TestLoseCompletionCommitsThenFails(t *testing.T) {
 	t.Parallel()
 	env, s := setup(t)

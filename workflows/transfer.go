@@ -32,7 +32,7 @@ type TransferResult struct {
 	Credit activities.Receipt
 }
 
-// ActivityOptions are the options TransferWorkflow runs its activities with.
+// ActivityOptions are the options TransferWorkflow runs its debit with.
 // ScheduleToClose bounds redelivery, so markers kept for the Deduper's
 // retention (30 days by default) cover every possible redelivery; the worker
 // checks this at start (dedupactivity.RedeliveryWarning).
@@ -47,23 +47,38 @@ func ActivityOptions(startToClose time.Duration) workflow.ActivityOptions {
 			InitialInterval:        200 * time.Millisecond,
 			BackoffCoefficient:     2,
 			MaximumInterval:        2 * time.Second,
-			NonRetryableErrorTypes: []string{"InsufficientFunds"},
+			NonRetryableErrorTypes: []string{activities.InsufficientFundsType, activities.UnknownAccountType},
 		},
 	}
 }
 
+// CreditActivityOptions are the options TransferWorkflow runs its credit
+// with: those of the debit, retried for a day instead of ten minutes. Once
+// the debit is applied, giving up on the credit would leave the money in
+// neither account, so a database outage is waited out; the debit has
+// checked that the credited account exists.
+func CreditActivityOptions(startToClose time.Duration) workflow.ActivityOptions {
+	o := ActivityOptions(startToClose)
+	o.ScheduleToCloseTimeout = 24 * time.Hour
+	o.RetryPolicy.MaximumInterval = time.Minute
+	return o
+}
+
 // TransferWorkflow debits one account and credits another, each through a
-// dedup-wrapped activity.
+// dedup-wrapped activity. The debit fails, before money moves, when either
+// account does not exist (UnknownAccount) or From lacks the funds
+// (InsufficientFunds); the credit is then retried until it applies.
 func TransferWorkflow(ctx workflow.Context, req TransferRequest) (TransferResult, error) {
-	ctx = workflow.WithActivityOptions(ctx, ActivityOptions(req.StartToClose))
 	var res TransferResult
-	debit := activities.Posting{TransferID: req.TransferID, Account: req.From, Amount: req.Amount, Faults: req.Faults}
+	debit := activities.Posting{TransferID: req.TransferID, Account: req.From, Amount: req.Amount, Counterparty: req.To, Faults: req.Faults}
 	var a *activities.Activities // methods referenced by name; the worker holds the real one
-	if err := workflow.ExecuteActivity(ctx, a.Debit, debit).Get(ctx, &res.Debit); err != nil {
+	dctx := workflow.WithActivityOptions(ctx, ActivityOptions(req.StartToClose))
+	if err := workflow.ExecuteActivity(dctx, a.Debit, debit).Get(ctx, &res.Debit); err != nil {
 		return res, err
 	}
 	credit := activities.Posting{TransferID: req.TransferID, Account: req.To, Amount: req.Amount, Faults: req.Faults}
-	if err := workflow.ExecuteActivity(ctx, a.Credit, credit).Get(ctx, &res.Credit); err != nil {
+	cctx := workflow.WithActivityOptions(ctx, CreditActivityOptions(req.StartToClose))
+	if err := workflow.ExecuteActivity(cctx, a.Credit, credit).Get(ctx, &res.Credit); err != nil {
 		return res, err
 	}
 	return res, nil

@@ -7,6 +7,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/trace"
+	"go.temporal.io/sdk/temporal"
 
 	"github.com/dedupactivity/dedupactivity/activities"
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
@@ -21,6 +22,22 @@ func TestTransfer(t *testing.T) {
 	require.Equal(t, int64(990), res.Debit.Balance)
 	require.Equal(t, int64(1010), res.Credit.Balance)
 	require.Equal(t, []string{"claimed"}, b.outcomes(activities.DebitName))
+}
+
+// TestTransferToUnknownAccount: a transfer to an account that does not
+// exist fails at its debit, before money moves, and is not retried; before,
+// the debit applied and the credit failed its foreign key until the
+// activity's ScheduleToClose ran out, with the money in neither account.
+func TestTransferToUnknownAccount(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	_, err := b.transfer(t, workflows.TransferRequest{TransferID: "t-unknown", From: "alice", To: "nobody", Amount: 30})
+	var appErr *temporal.ApplicationError
+	require.ErrorAs(t, err, &appErr)
+	require.Equal(t, activities.UnknownAccountType, appErr.Type())
+	require.Equal(t, int64(2000), b.count(t, `SELECT sum(balance) FROM account`), "money is conserved")
+	require.Zero(t, b.count(t, `SELECT count(*) FROM ledger_entry WHERE transfer_id = 't-unknown'`))
+	require.Equal(t, []string{"effect_error"}, b.outcomes(activities.DebitName), "one attempt, not retried")
 }
 
 // TestLostCompletion: the debit commits, then its attempt fails before

@@ -399,8 +399,8 @@ func Start(ctx context.Context, cfg Config, tel *Telemetry) (_ *Worker, err erro
 // WarnRedelivery logs when the Deduper's retention does not cover how long
 // Temporal may redeliver the example's activities.
 func WarnRedelivery(logger tlog.Logger, cfg Config) {
-	for _, name := range []string{activities.DebitName, activities.CreditName} {
-		if warning := dedupactivity.RedeliveryWarning(name, workflows.ActivityOptions(0), cmp.Or(cfg.Dedup.Retention, dedupactivity.DefaultRetention)); warning != "" {
+	for name, opts := range map[string]workflow.ActivityOptions{activities.DebitName: workflows.ActivityOptions(0), activities.CreditName: workflows.CreditActivityOptions(0)} {
+		if warning := dedupactivity.RedeliveryWarning(name, opts, cmp.Or(cfg.Dedup.Retention, dedupactivity.DefaultRetention)); warning != "" {
 			logger.Warn("dedup retention does not cover redelivery", "warning", warning)
 		}
 	}
