@@ -2,7 +2,6 @@ package dedupactivity
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"time"
 
@@ -12,6 +11,8 @@ import (
 	"go.temporal.io/sdk/temporal"
 	"go.temporal.io/sdk/worker"
 	"go.temporal.io/sdk/workflow"
+
+	"github.com/dedupactivity/dedupactivity/dedupactivity/internal/schedule"
 )
 
 // pruneBatchSize is how many expired markers one Prune statement deletes.
@@ -108,12 +109,13 @@ func pruneWorkflow(ctx workflow.Context, activityName string) (PruneResult, erro
 // EnsurePruneSchedule creates, if it does not exist yet, a Temporal Schedule
 // with the given ID that runs pruneWorkflow for d every interval on
 // taskQueue (where RegisterPruner registered it). Overlapping runs are
-// skipped. It is idempotent and safe to call from every worker at start.
+// skipped. It is idempotent and safe to call from every worker at start;
+// when the Schedule exists with another interval, it is given this one.
 func EnsurePruneSchedule(ctx context.Context, c client.Client, d *Deduper, scheduleID, taskQueue string, interval time.Duration) error {
 	if interval < time.Minute {
 		return fmt.Errorf("%w: prune interval must be at least 1m, got %s", ErrInvalidOptions, interval)
 	}
-	_, err := c.ScheduleClient().Create(ctx, client.ScheduleOptions{
+	err := schedule.Ensure(ctx, c, client.ScheduleOptions{
 		ID:      scheduleID,
 		Spec:    client.ScheduleSpec{Intervals: []client.ScheduleIntervalSpec{{Every: interval}}},
 		Overlap: enumspb.SCHEDULE_OVERLAP_POLICY_SKIP,
@@ -124,11 +126,8 @@ func EnsurePruneSchedule(ctx context.Context, c client.Client, d *Deduper, sched
 			TaskQueue: taskQueue,
 		},
 	})
-	if errors.Is(err, temporal.ErrScheduleAlreadyRunning) {
-		return nil
-	}
 	if err != nil {
-		return fmt.Errorf("dedupactivity: create prune schedule %q: %w", scheduleID, err)
+		return fmt.Errorf("dedupactivity: ensure prune schedule %q: %w", scheduleID, err)
 	}
 	return nil
 }

@@ -10,7 +10,7 @@
 //	DATABASE_URL        PostgreSQL connection string  (postgres://postgres:postgres@127.0.0.1:5432/ledger?sslmode=disable)
 //	RECEIPTS_URL        receipts service; when set, Credit sends a receipt through the outbox
 //	METRICS_ADDR        serve /metrics for Prometheus here (say 127.0.0.1:9464)
-//	PRUNE_INTERVAL      how often the prune Schedules run: markers, and settled outbox messages (1h)
+//	PRUNE_INTERVAL      how often the prune Schedules run: markers, and settled outbox messages (1h; set at each start)
 //	OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_SERVICE_NAME, ...: the standard
 //	OpenTelemetry variables; traces and metrics go out over OTLP/gRPC when
 //	an endpoint is set.
@@ -44,7 +44,10 @@ func main() {
 
 func run() error {
 	ctx := context.Background()
-	cfg := ledgerworker.ConfigFromEnv()
+	cfg, err := ledgerworker.ConfigFromEnv()
+	if err != nil {
+		return err
+	}
 	tel, err := ledgerworker.TelemetryFromEnv(ctx, "ledger-worker")
 	if err != nil {
 		return err

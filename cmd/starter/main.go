@@ -30,7 +30,10 @@ func main() {
 func run() error {
 	n := flag.Int("n", 10, "transfers to start")
 	flag.Parse()
-	cfg := ledgerworker.ConfigFromEnv()
+	cfg, err := ledgerworker.ConfigFromEnv()
+	if err != nil {
+		return err
+	}
 	c, err := client.Dial(client.Options{HostPort: cfg.TemporalAddress, Namespace: cfg.Namespace, Logger: ledgerworker.QuietLogger()})
 	if err != nil {
 		return fmt.Errorf("connect to Temporal at %s: %w", cfg.TemporalAddress, err)

@@ -2,7 +2,6 @@ package outbox
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"time"
 
@@ -12,6 +11,8 @@ import (
 	"go.temporal.io/sdk/temporal"
 	"go.temporal.io/sdk/worker"
 	"go.temporal.io/sdk/workflow"
+
+	"github.com/dedupactivity/dedupactivity/dedupactivity/internal/schedule"
 )
 
 // Names under which RegisterRelay, RegisterReconciler and RegisterPruner
@@ -102,7 +103,8 @@ func withSweepOptions(ctx workflow.Context) workflow.Context {
 // EnsureRelaySchedule creates, if it does not exist, a Schedule with the
 // given ID that runs the relay workflow for r every interval on taskQueue (where
 // RegisterRelay registered it). Overlapping runs are skipped. It is
-// idempotent and safe to call from every worker at start.
+// idempotent and safe to call from every worker at start; when the Schedule
+// exists with another interval, it is given this one.
 func EnsureRelaySchedule(ctx context.Context, c client.Client, r *Relay, scheduleID, taskQueue string, interval time.Duration) error {
 	return ensureSchedule(ctx, c, scheduleID, taskQueue, interval, relayWorkflowName, r.relayActivityName())
 }
@@ -122,17 +124,14 @@ func ensureSchedule(ctx context.Context, c client.Client, id, taskQueue string, 
 	if interval < time.Second {
 		return fmt.Errorf("%w: schedule interval must be at least 1s, got %s", ErrInvalidConfig, interval)
 	}
-	_, err := c.ScheduleClient().Create(ctx, client.ScheduleOptions{
+	err := schedule.Ensure(ctx, c, client.ScheduleOptions{
 		ID:      id,
 		Spec:    client.ScheduleSpec{Intervals: []client.ScheduleIntervalSpec{{Every: interval}}},
 		Overlap: enumspb.SCHEDULE_OVERLAP_POLICY_SKIP,
 		Action:  &client.ScheduleWorkflowAction{ID: id, Workflow: wf, Args: []any{act}, TaskQueue: taskQueue},
 	})
-	if errors.Is(err, temporal.ErrScheduleAlreadyRunning) {
-		return nil
-	}
 	if err != nil {
-		return fmt.Errorf("outbox: create schedule %q: %w", id, err)
+		return fmt.Errorf("outbox: ensure schedule %q: %w", id, err)
 	}
 	return nil
 }

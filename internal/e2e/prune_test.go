@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"go.temporal.io/sdk/client"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 	"github.com/dedupactivity/dedupactivity/internal/ledgerworker"
@@ -51,4 +52,49 @@ FROM generate_series(1, 2500) g`)
 	require.Equal(t, int64(2500), res.Deleted)
 	require.Equal(t, int64(0), b.count(t, `SELECT count(*) FROM dedup_marker WHERE activity_type = 'Old'`))
 	require.Equal(t, int64(2), b.count(t, `SELECT count(*) FROM dedup_marker`), "the live transfer's markers stay")
+}
+
+// TestScheduleIntervalFollowsTheLastStart: a Schedule made at an earlier
+// start is given the interval a later start asks for (PRUNE_INTERVAL
+// changed), its action kept; asking again for the same interval updates
+// nothing. The outbox's Schedules go through the same code.
+func TestScheduleIntervalFollowsTheLastStart(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	id := ledgerworker.PruneScheduleID(b.taskQueue)
+	h := b.client.ScheduleClient().GetHandle(ctx, id)
+	t.Cleanup(func() { _ = h.Delete(context.Background()) })
+	describe := func() *client.ScheduleDescription {
+		desc, err := h.Describe(ctx)
+		require.NoError(t, err)
+		return desc
+	}
+	first := describe()
+	require.Equal(t, []client.ScheduleIntervalSpec{{Every: time.Hour}}, first.Schedule.Spec.Intervals, "as the worker made it")
+
+	require.NoError(t, dedupactivity.EnsurePruneSchedule(ctx, b.client, b.worker.Deduper, id, b.taskQueue, 2*time.Hour))
+	changed := describe()
+	require.Equal(t, []client.ScheduleIntervalSpec{{Every: 2 * time.Hour}}, changed.Schedule.Spec.Intervals)
+	action, ok := changed.Schedule.Action.(*client.ScheduleWorkflowAction)
+	require.True(t, ok)
+	require.Equal(t, b.taskQueue, action.TaskQueue, "the action kept")
+	require.Equal(t, first.Schedule.Action.(*client.ScheduleWorkflowAction).Workflow, action.Workflow)
+	require.Len(t, action.Args, 1, "the activity's name, kept")
+
+	require.NoError(t, dedupactivity.EnsurePruneSchedule(ctx, b.client, b.worker.Deduper, id, b.taskQueue, 2*time.Hour))
+	require.Equal(t, changed.Info.LastUpdateAt, describe().Info.LastUpdateAt, "the same interval: not updated")
+
+	// The updated Schedule still runs the pruner: its arguments survived.
+	require.NoError(t, h.Trigger(ctx, clientTrigger()))
+	var run *client.ScheduleActionResult
+	require.Eventually(t, func() bool {
+		if recent := describe().Info.RecentActions; len(recent) > 0 {
+			run = &recent[0]
+		}
+		return run != nil
+	}, 30*time.Second, 100*time.Millisecond)
+	var res dedupactivity.PruneResult
+	require.NoError(t, b.client.GetWorkflow(ctx, run.StartWorkflowResult.WorkflowID, run.StartWorkflowResult.FirstExecutionRunID).Get(ctx, &res))
 }

@@ -72,8 +72,9 @@ type Config struct {
 	MaxConcurrentActivities int
 	// Logger for the Temporal client; nil logs warnings and errors to stderr.
 	Logger tlog.Logger
-	// PruneInterval is how often the prune schedule runs (env
-	// PRUNE_INTERVAL). Defaults to 1h.
+	// PruneInterval is how often the prune schedules run (env
+	// PRUNE_INTERVAL), set at each start on schedules made earlier too.
+	// Defaults to 1h.
 	PruneInterval time.Duration
 	// ReceiptsURL, when set, is the base URL of the receipts service
 	// (internal/receipts; env RECEIPTS_URL): Credit then enqueues a receipt
@@ -89,10 +90,17 @@ type Config struct {
 
 // ConfigFromEnv reads Config from the environment, with the defaults above.
 // OUTBOX_RELAY_LEASE sets Relay.Lease (the chaos harness shortens it so that
-// a held send is taken over by another relay).
-func ConfigFromEnv() Config {
-	interval, _ := time.ParseDuration(os.Getenv("PRUNE_INTERVAL"))
-	lease, _ := time.ParseDuration(os.Getenv("OUTBOX_RELAY_LEASE"))
+// a held send is taken over by another relay). A duration that does not
+// parse is an error, not the default.
+func ConfigFromEnv() (Config, error) {
+	interval, err := envDuration("PRUNE_INTERVAL")
+	if err != nil {
+		return Config{}, err
+	}
+	lease, err := envDuration("OUTBOX_RELAY_LEASE")
+	if err != nil {
+		return Config{}, err
+	}
 	return Config{
 		Relay:           outbox.RelayConfig{Lease: lease},
 		PruneInterval:   interval,
@@ -101,7 +109,21 @@ func ConfigFromEnv() Config {
 		TaskQueue:       cmp.Or(os.Getenv("TASK_QUEUE"), DefaultTaskQueue),
 		DatabaseURL:     cmp.Or(os.Getenv("DATABASE_URL"), DefaultDatabaseURL),
 		ReceiptsURL:     os.Getenv("RECEIPTS_URL"),
+	}, nil
+}
+
+// envDuration is the duration in the environment variable name; 0 when it
+// is unset or empty.
+func envDuration(name string) (time.Duration, error) {
+	v := os.Getenv(name)
+	if v == "" {
+		return 0, nil
 	}
+	d, err := time.ParseDuration(v)
+	if err != nil {
+		return 0, fmt.Errorf("%s: %w", name, err)
+	}
+	return d, nil
 }
 
 // Telemetry holds the providers the worker reports to, and their shutdown.
@@ -406,7 +428,7 @@ func WarnRedelivery(logger tlog.Logger, cfg Config) {
 	}
 }
 
-// Schedules creates, if missing, the Temporal Schedules that prune markers
+// Schedules creates (or gives the current interval to) the Temporal Schedules that prune markers
 // and (with the receipts outbox, rc not nil) reconcile and prune the
 // outbox.
 func Schedules(ctx context.Context, c client.Client, cfg Config, d *dedupactivity.Deduper, rc *outbox.Reconciler) error {
