@@ -82,9 +82,10 @@ type ReceiptMessage struct {
 var ErrInsufficientFunds = errors.New("insufficient funds")
 
 // ErrUnknownAccount is returned by Debit and Credit for an account that
-// does not exist (Debit also for its Counterparty). It reaches the workflow
-// as a non-retryable ApplicationError of type "UnknownAccount": a retry
-// would fail the same way.
+// does not exist (Debit also for its Counterparty). From Debit it reaches
+// the workflow as a non-retryable ApplicationError of type
+// "UnknownAccount", before money moves; from Credit it is retried (see
+// CreditEffect).
 var ErrUnknownAccount = errors.New("unknown account")
 
 // Error types of the activities' non-retryable ApplicationErrors.
@@ -143,8 +144,8 @@ func (a *Activities) Credit(ctx context.Context, in Posting) (Receipt, error) {
 // go through tx.
 func DebitEffect(ctx context.Context, tx pgx.Tx, in Posting) (Receipt, error) {
 	if in.Counterparty != "" {
-		// FOR KEY SHARE: the account cannot be deleted before this
-		// transaction ends.
+		// FOR KEY SHARE: the account cannot be deleted while the debit's
+		// transaction is open (only until then: see CreditEffect).
 		var found bool
 		if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT FROM account WHERE id = $1 FOR KEY SHARE)`, in.Counterparty).Scan(&found); err != nil {
 			return Receipt{}, fmt.Errorf("look up account %q: %w", in.Counterparty, err)
@@ -154,8 +155,11 @@ func DebitEffect(ctx context.Context, tx pgx.Tx, in Posting) (Receipt, error) {
 		}
 	}
 	r, err := post(ctx, tx, in, "debit", -in.Amount)
-	if sqlState(err) == "23514" { // check_violation: balance >= 0
+	switch {
+	case sqlState(err) == "23514": // check_violation: balance >= 0
 		return r, temporal.NewNonRetryableApplicationError(ErrInsufficientFunds.Error(), InsufficientFundsType, ErrInsufficientFunds)
+	case errors.Is(err, ErrUnknownAccount):
+		return r, unknownAccount(in.Account)
 	}
 	return r, err
 }
@@ -170,7 +174,10 @@ func sqlState(err error) string {
 }
 
 // CreditEffect is the posting of Credit's effect, a
-// dedupactivity.EffectFunc.
+// dedupactivity.EffectFunc. An unknown account stays a retryable error
+// (ErrUnknownAccount): the transfer's debit is applied, so giving up would
+// leave the money in neither account; the debit checked that the account
+// existed, and one that went missing since can be opened again.
 func CreditEffect(ctx context.Context, tx pgx.Tx, in Posting) (Receipt, error) {
 	return post(ctx, tx, in, "credit", in.Amount)
 }
@@ -195,7 +202,7 @@ func post(ctx context.Context, tx pgx.Tx, in Posting, kind string, delta int64) 
 		`INSERT INTO ledger_entry (transfer_id, account, amount, kind, attempt) VALUES ($1, $2, $3, $4, $5) RETURNING id`,
 		in.TransferID, in.Account, delta, kind, r.Attempt).Scan(&r.EntryID); err != nil {
 		if sqlState(err) == "23503" { // foreign_key_violation: no such account
-			return r, unknownAccount(in.Account)
+			return r, fmt.Errorf("%w %q: %w", ErrUnknownAccount, in.Account, err)
 		}
 		return r, fmt.Errorf("insert %s entry: %w", kind, err)
 	}

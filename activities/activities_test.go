@@ -72,9 +72,10 @@ func TestDebitInsufficientFunds(t *testing.T) {
 	require.Zero(t, n, "rolled back")
 }
 
-// TestUnknownAccount: a debit whose counterparty, or a posting whose own
-// account, does not exist fails with the non-retryable UnknownAccount and
-// writes nothing, so a transfer to an unknown account moves no money.
+// TestUnknownAccount: a debit whose counterparty or own account does not
+// exist fails with the non-retryable UnknownAccount and writes nothing, so a
+// transfer to an unknown account moves no money; a credit to one fails
+// retryably.
 func TestUnknownAccount(t *testing.T) {
 	t.Parallel()
 	env, s := setup(t)
@@ -84,7 +85,6 @@ func TestUnknownAccount(t *testing.T) {
 	}{
 		{activities.DebitName, activities.Posting{TransferID: "t1", Account: "a", Amount: 5, Counterparty: "nobody"}},
 		{activities.DebitName, activities.Posting{TransferID: "t2", Account: "nobody", Amount: 5, Counterparty: "b"}},
-		{activities.CreditName, activities.Posting{TransferID: "t3", Account: "nobody", Amount: 5}},
 	} {
 		_, err := env.ExecuteActivity(c.name, c.posting)
 		var appErr *temporal.ApplicationError
@@ -93,6 +93,12 @@ func TestUnknownAccount(t *testing.T) {
 		require.True(t, appErr.NonRetryable())
 		require.ErrorContains(t, err, `"nobody"`)
 	}
+	// A credit's unknown account is retried: its debit is applied.
+	_, err := env.ExecuteActivity(activities.CreditName, activities.Posting{TransferID: "t3", Account: "nobody", Amount: 5})
+	require.ErrorContains(t, err, `unknown account "nobody"`)
+	var appErr *temporal.ApplicationError
+	require.ErrorAs(t, err, &appErr)
+	require.False(t, appErr.NonRetryable(), "a credit is retried")
 	var entries, sum int64
 	require.NoError(t, s.Pool.QueryRow(context.Background(), `SELECT (SELECT count(*) FROM ledger_entry), (SELECT sum(balance) FROM account)`).Scan(&entries, &sum))
 	require.Zero(t, entries, "rolled back")

@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/mock"
 	"github.com/stretchr/testify/require"
 	"go.temporal.io/sdk/activity"
@@ -37,13 +38,13 @@ func TestTransferWorkflowDebitsThenCredits(t *testing.T) {
 	env.OnActivity(acts.Debit, mock.Anything, activities.Posting{TransferID: "t1", Account: "a", Amount: 5, Counterparty: "b"}).
 		Run(func(args mock.Arguments) {
 			info := activity.GetInfo(args.Get(0).(context.Context))
-			require.Equal(t, 10*time.Minute, info.ScheduleToCloseTimeout, "the debit gives up after ten minutes")
+			assert.Equal(t, 10*time.Minute, info.ScheduleToCloseTimeout, "the debit gives up after ten minutes")
 		}).
 		Return(activities.Receipt{EntryID: 1, Account: "a", Balance: 95, Attempt: 1}, nil).Once()
 	env.OnActivity(acts.Credit, mock.Anything, activities.Posting{TransferID: "t1", Account: "b", Amount: 5}).
 		Run(func(args mock.Arguments) {
 			info := activity.GetInfo(args.Get(0).(context.Context))
-			require.Equal(t, 24*time.Hour, info.ScheduleToCloseTimeout, "the credit, its debit applied, is retried for a day")
+			assert.Equal(t, 24*time.Hour, info.ScheduleToCloseTimeout, "the credit, its debit applied, is retried for a day")
 		}).
 		Return(activities.Receipt{EntryID: 2, Account: "b", Balance: 105, Attempt: 1}, nil).Once()
 

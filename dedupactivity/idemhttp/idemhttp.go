@@ -77,6 +77,10 @@ import (
 	"github.com/dedupactivity/dedupactivity/dedupactivity/outbox"
 )
 
+// maxInFlightWait is the longest InFlightWait: dedupactivity's bound on the
+// ClaimWait it becomes.
+const maxInFlightWait = 24 * time.Hour
+
 // Defaults of Options.
 const (
 	DefaultKeyHeader    = "Idempotency-Key"
@@ -191,8 +195,8 @@ func New(pool *pgxpool.Pool, opts Options) (*Middleware, error) {
 		opts.Logger = slog.Default()
 	}
 	switch {
-	case opts.InFlightWait < time.Millisecond || opts.InFlightWait > 24*time.Hour:
-		return nil, fmt.Errorf("%w: InFlightWait must be between 1ms and 24h, got %v", dedupactivity.ErrInvalidOptions, opts.InFlightWait)
+	case opts.InFlightWait < time.Millisecond || opts.InFlightWait > maxInFlightWait:
+		return nil, fmt.Errorf("%w: InFlightWait must be between 1ms and %v, got %v", dedupactivity.ErrInvalidOptions, maxInFlightWait, opts.InFlightWait)
 	case opts.MaxBodyBytes < 0:
 		return nil, fmt.Errorf("%w: MaxBodyBytes must not be negative, got %d", dedupactivity.ErrInvalidOptions, opts.MaxBodyBytes)
 	case opts.Dedup.DiscardResults:
@@ -241,19 +245,22 @@ type response struct {
 	Body   []byte
 }
 
-// passOn is a handler response that is not stored: one asking for a retry
+// passOnError is a handler response that is not stored: one asking for a retry
 // (see storable), or a refusal (3xx, 4xx) given after a statement of the
 // handler failed, which aborted the transaction so that nothing can be
 // stored with it. The transaction rolls back and the response is passed
 // on; a retry runs the handler again.
-type passOn struct{ rec *recorder }
+type passOnError struct{ rec *recorder }
 
-func (e passOn) Error() string {
+func (e passOnError) Error() string {
 	return fmt.Sprintf("idemhttp: handler answered %d", e.rec.status)
 }
 
 // aborted says whether a statement of the handler failed in tx, so that
-// the transaction can only roll back.
+// the transaction can only roll back. tx is the claim's, whose Conn has no
+// side effect here: request keys are business keys, which claim before
+// the handler runs (a claim that rides with the first statement would
+// insert its key on Conn).
 func aborted(tx pgx.Tx) bool {
 	conn := tx.Conn()
 	return conn == nil || conn.PgConn().TxStatus() == 'E'
@@ -320,20 +327,20 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 				// A 2xx after a failed statement stays an error (500): the
 				// handler's writes are gone, so its success cannot be told.
 				if !storable(rec.status) || rec.status >= 300 && aborted(tx) {
-					return response{}, passOn{rec}
+					return response{}, passOnError{rec}
 				}
 				first = rec
 				return rec.stored(m.opts.ReplayHeaders), nil
 			})
-		var se passOn
+		var pe passOnError
 		switch {
 		case err == nil && outcome == dedupactivity.OutcomeClaimed:
 			writeResponse(w, first.status, first.header, first.body.Bytes())
 		case err == nil:
 			w.Header().Set(ReplayedHeader, "true")
 			writeResponse(w, resp.Status, resp.Header, resp.Body)
-		case errors.As(err, &se):
-			writeResponse(w, se.rec.status, se.rec.header, se.rec.body.Bytes())
+		case errors.As(err, &pe):
+			writeResponse(w, pe.rec.status, pe.rec.header, pe.rec.body.Bytes())
 		case errors.Is(err, dedupactivity.ErrPayloadMismatch):
 			writeError(w, http.StatusUnprocessableEntity, "this "+m.opts.KeyHeader+" was used with a different request (method, path or body)")
 		case errors.Is(err, dedupactivity.ErrClaimTimeout):

@@ -22,9 +22,9 @@ var (
 	// enqueue outside a claimed effect that already committed.
 	ErrDuplicateKey = errors.New("outbox: idempotency key already enqueued")
 
-	// ErrNotMigrated is returned when the outbox table does not exist: run
-	// Outbox.Migrate first.
-	ErrNotMigrated = errors.New("outbox: outbox table missing (run Migrate)")
+	// ErrNotMigrated is returned when the outbox table does not exist, or
+	// lacks a column of a later migration: run Outbox.Migrate first.
+	ErrNotMigrated = errors.New("outbox: outbox table missing or not migrated to this version (run Migrate)")
 
 	// ErrPermanent marks a send error that retrying cannot fix (an HTTP 4xx
 	// other than 408, 409, 425 and 429, a destination the Sender does not

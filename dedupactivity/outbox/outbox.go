@@ -234,7 +234,7 @@ func translate(err error) error {
 	var pgErr interface{ SQLState() string }
 	if errors.As(err, &pgErr) {
 		switch pgErr.SQLState() {
-		case "42P01": // undefined_table
+		case "42P01", "42703": // undefined_table; undefined_column: a table of an earlier migration
 			return fmt.Errorf("%w: %w", ErrNotMigrated, err)
 		case "23505": // unique_violation
 			return fmt.Errorf("%w: %w", ErrDuplicateKey, err)

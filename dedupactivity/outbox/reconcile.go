@@ -242,7 +242,7 @@ type Unresolved struct {
 
 // Reconcile looks at up to MaxMessages messages that are dead, or pending
 // or with an expired lease and unacknowledged for longer than UnackedAfter,
-// asks their destinations, and settles them. Each change is conditional on
+// asks their destinations, and settles them. Each change of state is conditional on
 // the message being as it was read, so a relay that sends it meanwhile
 // wins.
 func (rc *Reconciler) Reconcile(ctx context.Context) (rep ReconcileReport, err error) {
@@ -275,7 +275,7 @@ ORDER BY (state = 'dead' AND requeues >= $3), checked_at NULLS FIRST, id LIMIT $
 		requeues   int
 		state      State
 		lastError  string
-		unreadable error // the headers'
+		unreadable error // why the headers could not be read
 	}
 	var cands []candidate
 	for rows.Next() {
@@ -302,7 +302,19 @@ ORDER BY (state = 'dead' AND requeues >= $3), checked_at NULLS FIRST, id LIMIT $
 	// Dead letters out of re-queues come last, so they cannot crowd out
 	// the messages a run can still settle; among the rest, those a run
 	// could not settle (checked_at set) come after those not yet asked, so
-	// messages whose check never gets an answer do not either.
+	// messages whose check never gets an answer do not either. The
+	// unresolved are marked checked in one statement as the run ends.
+	var unsettled []int64
+	defer func() {
+		if len(unsettled) == 0 {
+			return
+		}
+		uctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		if _, uerr := rc.ob.pool.Exec(uctx, `UPDATE `+t+` SET checked_at = now() WHERE id = ANY($1)`, unsettled); uerr != nil && err == nil {
+			err = fmt.Errorf("outbox: reconcile: mark unresolved messages checked: %w", translate(uerr))
+		}
+	}()
 	for _, c := range cands {
 		if ctx.Err() != nil {
 			return rep, ctx.Err()
@@ -311,29 +323,20 @@ ORDER BY (state = 'dead' AND requeues >= $3), checked_at NULLS FIRST, id LIMIT $
 			activity.RecordHeartbeat(ctx, rep.Checked) // each check may take the Checker's timeout
 		}
 		rep.Checked++
-		// unresolved reports the message and marks it checked, so that the
-		// next run asks about the others first.
-		unresolved := func(reason string) error {
+		unresolved := func(reason string) {
 			rep.Unresolved = append(rep.Unresolved, Unresolved{Key: c.d.Key, Destination: c.d.Destination, State: c.state,
 				Attempts: c.d.Attempt, LastError: c.lastError, Reason: reason})
 			rc.count(ctx, "unresolved", c.d.Destination)
-			if _, err := rc.ob.pool.Exec(ctx, `UPDATE `+t+` SET checked_at = now() WHERE id = $1`, c.d.ID); err != nil {
-				return fmt.Errorf("outbox: reconcile %s: %w", c.d.Key, translate(err))
-			}
-			return nil
+			unsettled = append(unsettled, c.d.ID)
 		}
 		if c.unreadable != nil {
-			if err := unresolved("never sent: its headers are not a JSON object of strings: " + c.unreadable.Error()); err != nil {
-				return rep, err
-			}
+			unresolved("never sent: its headers are not a JSON object of strings: " + c.unreadable.Error())
 			continue
 		}
 		applied, cerr := rc.cfg.Checker.Applied(ctx, c.d)
 		rejected := errors.Is(cerr, ErrRejected)
 		if cerr != nil && !rejected {
-			if err := unresolved("unknown: " + cerr.Error()); err != nil {
-				return rep, err
-			}
+			unresolved("unknown: " + cerr.Error())
 			continue
 		}
 		var sql string
@@ -347,9 +350,7 @@ WHERE id = $1 AND state = $2 AND attempts = $3`
 			sql = `UPDATE ` + t + ` SET state = 'applied', settled_at = now(), lease_until = NULL, unacked_since = NULL
 WHERE id = $1 AND state = $2 AND attempts = $3`
 		case c.state == StateDead && c.requeues >= rc.cfg.MaxRequeues:
-			if err := unresolved(fmt.Sprintf("not applied at the destination; dead after %d re-queues", c.requeues)); err != nil {
-				return rep, err
-			}
+			unresolved(fmt.Sprintf("not applied at the destination; dead after %d re-queues", c.requeues))
 			continue
 		case c.state == StateDead:
 			sql = `UPDATE ` + t + ` SET state = 'pending', requeues = requeues + 1, tries = 0, next_attempt_at = now(),

@@ -56,8 +56,9 @@ type RelayConfig struct {
 	// with its last error). A permanent error (ErrPermanent) makes it dead
 	// at once. A send that panics is a failed one. So that a message whose
 	// send stops the process (a crash, an out-of-memory kill) does not stop
-	// every relay in turn, one leased more than MaxAttempts times without a
-	// recorded outcome is made dead without being sent.
+	// every relay in turn, one whose sends began MaxAttempts times without
+	// recording an outcome is made dead without another send; a re-queue by
+	// the reconciler does not reset that count.
 	//
 	// Defaults to DefaultMaxAttempts (10).
 	MaxAttempts int
@@ -184,9 +185,10 @@ type RelayResult struct {
 	Retried int
 	// Dead counts messages that became dead in this pass.
 	Dead int
-	// LeaseLost counts sends whose lease had expired and been taken by
-	// another relay before the acknowledgement (the message was sent twice,
-	// with the same key).
+	// LeaseLost counts messages whose lease had expired and been taken by
+	// another relay: before the send began (this relay did not send it) or
+	// before the acknowledgement (the message was sent twice, with the same
+	// key).
 	LeaseLost int
 }
 
@@ -273,13 +275,14 @@ func (r *Relay) runOnce(ctx context.Context, progress func(RelayResult)) (RelayR
 func (r *Relay) claim(ctx context.Context, passStart time.Time) ([]Delivery, error) {
 	t := r.ob.table
 	rows, err := r.ob.pool.Query(ctx, `UPDATE `+t+` SET state = 'sending', attempts = attempts + 1, tries = tries + 1,
+	stalls = stalls + in_send::int, in_send = false,
 	lease_until = clock_timestamp() + make_interval(secs => $2),
 	unacked_since = coalesce(unacked_since, clock_timestamp())
 WHERE id = ANY (ARRAY(
 	SELECT id FROM `+t+`
 	WHERE (state = 'pending' AND next_attempt_at <= $3) OR (state = 'sending' AND lease_until <= $3)
 	ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED))
-RETURNING id, idempotency_key, destination, name, headers, payload, attempts, tries`,
+RETURNING id, idempotency_key, destination, name, headers, payload, attempts, tries, stalls`,
 		r.cfg.BatchSize, r.cfg.Lease.Seconds(), passStart)
 	if err != nil {
 		return nil, fmt.Errorf("outbox: relay: claim: %w", translate(err))
@@ -289,7 +292,7 @@ RETURNING id, idempotency_key, destination, name, headers, payload, attempts, tr
 	for rows.Next() {
 		var d Delivery
 		var headers []byte
-		if err := rows.Scan(&d.ID, &d.Key, &d.Destination, &d.Name, &headers, &d.Payload, &d.Attempt, &d.tries); err != nil {
+		if err := rows.Scan(&d.ID, &d.Key, &d.Destination, &d.Name, &headers, &d.Payload, &d.Attempt, &d.tries, &d.stalls); err != nil {
 			return nil, fmt.Errorf("outbox: relay: claim: %w", err)
 		}
 		// Enqueue writes an object of strings; a row another producer wrote
@@ -315,13 +318,25 @@ func (r *Relay) deliver(ctx context.Context, leaseEnd time.Time, d Delivery, res
 	ctx, span := r.tel.startSend(ctx, d)
 	sendCtx, cancelSend := context.WithDeadline(ctx, leaseEnd)
 	sendErr := d.unreadable
-	if sendErr == nil && d.tries > r.cfg.MaxAttempts {
-		// Leased more often than it may be sent, each lease ended without
-		// an outcome: a relay died while sending it (a Sender that crashes
-		// the process on this message, say). It is not sent again.
-		sendErr = fmt.Errorf("%w: leased %d times without a recorded outcome (MaxAttempts %d): a relay stopped while sending it", ErrPermanent, d.tries, r.cfg.MaxAttempts)
+	if sendErr == nil && d.stalls >= r.cfg.MaxAttempts {
+		// Its sends keep stopping the relay's process (a crash, an
+		// out-of-memory kill on this message): not sent again.
+		sendErr = fmt.Errorf("%w: %d sends of it began and never recorded an outcome, the relay's process having stopped during each (MaxAttempts %d)", ErrPermanent, d.stalls, r.cfg.MaxAttempts)
 	}
 	if sendErr == nil {
+		held, err := r.begin(ctx, d)
+		switch {
+		case err != nil:
+			cancelSend()
+			r.release(ctx, []Delivery{d})
+			r.tel.endSend(ctx, span, d, resultStopped, err)
+			return err
+		case !held:
+			cancelSend()
+			res.LeaseLost++ // its lease expired and another relay took it: not sent
+			r.tel.endSend(ctx, span, d, resultLeaseLost, nil)
+			return nil
+		}
 		sendErr = r.send(sendCtx, d)
 	}
 	cancelSend()
@@ -380,13 +395,30 @@ func (r *Relay) deliver(ctx context.Context, leaseEnd time.Time, d Delivery, res
 	return nil
 }
 
+// begin records that d's send begins (see the in_send column), if this
+// relay still holds its lease; false when another relay took it. The
+// commit does not wait for the flag to reach the disk: one lost in a
+// crash of the database only misses a stall.
+func (r *Relay) begin(ctx context.Context, d Delivery) (bool, error) {
+	tag, err := r.ob.pool.Exec(ctx, `UPDATE `+r.ob.table+` SET in_send = true
+WHERE id = $1 AND state = 'sending' AND attempts = $2 AND set_config('synchronous_commit', 'off', true) IS NOT NULL`, d.ID, d.Attempt)
+	if err != nil {
+		return false, fmt.Errorf("outbox: relay: begin sending %s: %w", d.Key, translate(err))
+	}
+	return tag.RowsAffected() == 1, nil
+}
+
 // send calls the Sender; a panic in it is a failed send (retried, then
 // dead after MaxAttempts), not the end of the process running the relay.
 func (r *Relay) send(ctx context.Context, d Delivery) (err error) {
 	defer func() {
 		if p := recover(); p != nil {
 			r.cfg.Logger.Error("outbox sender panicked", "key", d.Key, "panic", p, "stack", string(debug.Stack()))
-			err = fmt.Errorf("outbox: sender panicked: %v", p)
+			if perr, ok := p.(error); ok {
+				err = fmt.Errorf("outbox: sender panicked: %w", perr)
+			} else {
+				err = fmt.Errorf("outbox: sender panicked: %v", p)
+			}
 		}
 	}()
 	return r.cfg.Sender.Send(ctx, d)
@@ -395,7 +427,7 @@ func (r *Relay) send(ctx context.Context, d Delivery) (err error) {
 // ack marks d sent, if this relay still holds its lease (attempts is the
 // fencing token: a relay that re-claimed it has incremented it).
 func (r *Relay) ack(ctx context.Context, d Delivery) (int64, error) {
-	tag, err := r.ob.pool.Exec(ctx, `UPDATE `+r.ob.table+` SET state = 'sent', settled_at = now(),
+	tag, err := r.ob.pool.Exec(ctx, `UPDATE `+r.ob.table+` SET state = 'sent', settled_at = now(), in_send = false,
 	lease_until = NULL, unacked_since = NULL, last_error = NULL
 WHERE id = $1 AND state = 'sending' AND attempts = $2`, d.ID, d.Attempt)
 	if err != nil {
@@ -406,7 +438,7 @@ WHERE id = $1 AND state = 'sending' AND attempts = $2`, d.ID, d.Attempt)
 
 // fail records a failed send: pending again after backoff, or dead.
 func (r *Relay) fail(ctx context.Context, d Delivery, state State, backoff time.Duration, sendErr error) (int64, error) {
-	tag, err := r.ob.pool.Exec(ctx, `UPDATE `+r.ob.table+` SET state = $3,
+	tag, err := r.ob.pool.Exec(ctx, `UPDATE `+r.ob.table+` SET state = $3, in_send = false,
 	next_attempt_at = now() + make_interval(secs => $4), lease_until = NULL, last_error = $5,
 	settled_at = CASE WHEN $3 = 'dead' THEN now() END
 WHERE id = $1 AND state = 'sending' AND attempts = $2`, d.ID, d.Attempt, string(state), backoff.Seconds(), errorText(sendErr))
@@ -429,7 +461,7 @@ func (r *Relay) release(ctx context.Context, batch []Delivery) {
 	for i, d := range batch {
 		ids[i], attempts[i] = d.ID, int32(d.Attempt)
 	}
-	_, err := r.ob.pool.Exec(rctx, `UPDATE `+r.ob.table+` o SET state = 'pending', attempts = o.attempts - 1, tries = o.tries - 1, lease_until = NULL,
+	_, err := r.ob.pool.Exec(rctx, `UPDATE `+r.ob.table+` o SET state = 'pending', attempts = o.attempts - 1, tries = o.tries - 1, in_send = false, lease_until = NULL,
 	unacked_since = CASE WHEN o.attempts = 1 THEN NULL ELSE o.unacked_since END
 FROM unnest($1::bigint[], $2::int[]) AS l(id, attempts)
 WHERE o.id = l.id AND o.state = 'sending' AND o.attempts = l.attempts`, ids, attempts)

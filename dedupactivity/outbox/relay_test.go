@@ -9,6 +9,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -256,34 +257,54 @@ func TestSenderPanicIsAFailedSend(t *testing.T) {
 }
 
 // TestMessageThatStopsEveryRelayGoesDead: a message whose send stops the
-// relay before it records the outcome (here the after-send hook; in life a
-// crash or an out-of-memory kill on that payload) is sent at most
-// MaxAttempts times, then made dead without a send, instead of stopping
-// each relay that leases it, forever.
+// relay's process before the outcome is recorded (here the Sender ends the
+// relay's goroutine, so nothing is released or recorded, as in a crash or
+// an out-of-memory kill on that payload) is sent at most MaxAttempts times,
+// then made dead without a send, instead of stopping every relay that
+// leases it, forever. The messages leased with it, never sent by the
+// stopped relay, are delivered: only a send that began counts.
 func TestMessageThatStopsEveryRelayGoesDead(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	dest := newDestination(t, nil)
-	keys := b.placeN(t, 1)
+	keys := b.placeN(t, 3)
+	poison := keys[1]
 	ctx := context.Background()
 	const lease = 200 * time.Millisecond
-	for range 2 {
-		crashing := b.relay(t, dest, outbox.RelayConfig{Lease: lease, MaxAttempts: 2})
-		outbox.SetAfterSendHook(crashing, func(outbox.Delivery) error { return errors.New("killed") })
+	var poisonSends atomic.Int64
+	deliver := httpSender(t, dest.URL)
+	crashing := outbox.SenderFunc(func(ctx context.Context, d outbox.Delivery) error {
+		if d.Key == poison {
+			poisonSends.Add(1)
+			runtime.Goexit() // the process stops: no outcome, no release
+		}
+		return deliver.Send(ctx, d)
+	})
+	for i := range 2 {
+		r := b.relay(t, dest, outbox.RelayConfig{Lease: lease, MaxAttempts: 2, BatchSize: 3, Sender: crashing})
 		require.Eventually(t, func() bool {
-			_, err := crashing.RunOnce(ctx)
-			return err != nil // leased (once its last lease expired), sent and "killed"
-		}, 10*time.Second, 20*time.Millisecond)
+			done := make(chan struct{})
+			go func() {
+				defer close(done)
+				_, _ = r.RunOnce(ctx)
+			}()
+			<-done
+			return poisonSends.Load() == int64(i+1)
+		}, 10*time.Second, 20*time.Millisecond, "relay %d reaches the poison message (once its lease expired)", i+1)
 	}
-	require.Equal(t, 2, dest.count(keys[0]))
-	last := b.relay(t, dest, outbox.RelayConfig{Lease: lease, MaxAttempts: 2})
+	last := b.relay(t, dest, outbox.RelayConfig{Lease: lease, MaxAttempts: 2, BatchSize: 3, Sender: crashing})
 	require.Eventually(t, func() bool {
-		res, err := last.RunOnce(ctx)
+		_, err := last.RunOnce(ctx)
 		require.NoError(t, err)
-		return res.Dead == 1
+		return b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state IN ('sent', 'dead')`) == 3
 	}, 10*time.Second, 20*time.Millisecond)
-	require.Equal(t, 2, dest.count(keys[0]), "not sent a third time")
-	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'dead' AND tries = 3 AND last_error LIKE '%leased 3 times without a recorded outcome%'`))
+	require.Equal(t, int64(2), poisonSends.Load(), "not sent a third time")
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE idempotency_key = $1 AND state = 'dead' AND stalls = 2
+		AND last_error LIKE '%2 sends of it began and never recorded an outcome%'`, poison))
+	require.Equal(t, 2, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'sent' AND stalls = 0`), "the others, leased with it, delivered")
+	for _, k := range []string{keys[0], keys[2]} {
+		require.Equal(t, 1, dest.count(k))
+	}
 }
 
 // TestSlowClaimEndsThePass: when the claim itself takes most of the lease,

@@ -30,6 +30,7 @@ type Delivery struct {
 	Attempt int
 
 	tries      int   // sends since enqueued or re-queued, this one included
+	stalls     int   // sends that began and never recorded an outcome (see Relay.begin)
 	unreadable error // the stored message cannot be sent as it is (see claim)
 }
 

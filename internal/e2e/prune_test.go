@@ -82,6 +82,7 @@ func TestScheduleIntervalFollowsTheLastStart(t *testing.T) {
 	require.Equal(t, b.taskQueue, action.TaskQueue, "the action kept")
 	require.Equal(t, first.Schedule.Action.(*client.ScheduleWorkflowAction).Workflow, action.Workflow)
 	require.Len(t, action.Args, 1, "the activity's name, kept")
+	require.Equal(t, first.Schedule.Policy.Overlap, changed.Schedule.Policy.Overlap, "the policies kept")
 
 	require.NoError(t, dedupactivity.EnsurePruneSchedule(ctx, b.client, b.worker.Deduper, id, b.taskQueue, 2*time.Hour))
 	require.Equal(t, changed.Info.LastUpdateAt, describe().Info.LastUpdateAt, "the same interval: not updated")

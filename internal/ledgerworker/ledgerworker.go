@@ -421,8 +421,11 @@ func Start(ctx context.Context, cfg Config, tel *Telemetry) (_ *Worker, err erro
 // WarnRedelivery logs when the Deduper's retention does not cover how long
 // Temporal may redeliver the example's activities.
 func WarnRedelivery(logger tlog.Logger, cfg Config) {
-	for name, opts := range map[string]workflow.ActivityOptions{activities.DebitName: workflows.ActivityOptions(0), activities.CreditName: workflows.CreditActivityOptions(0)} {
-		if warning := dedupactivity.RedeliveryWarning(name, opts, cmp.Or(cfg.Dedup.Retention, dedupactivity.DefaultRetention)); warning != "" {
+	for _, a := range []struct {
+		name string
+		opts workflow.ActivityOptions
+	}{{activities.DebitName, workflows.ActivityOptions(0)}, {activities.CreditName, workflows.CreditActivityOptions(0)}} {
+		if warning := dedupactivity.RedeliveryWarning(a.name, a.opts, cmp.Or(cfg.Dedup.Retention, dedupactivity.DefaultRetention)); warning != "" {
 			logger.Warn("dedup retention does not cover redelivery", "warning", warning)
 		}
 	}

@@ -12,12 +12,13 @@ import (
 	"go.temporal.io/sdk/temporal"
 )
 
-// Ensure creates the Schedule opts describes. When one with its ID exists
-// already (another worker, or an earlier start, made it), its spec is set
-// to opts.Spec if it differs, so that a changed interval takes effect at
-// the next start instead of being ignored; its action and policies stay as
-// they are. Workers that start together asking for different specs leave
-// the last one's.
+// Ensure creates the Schedule opts describes, whose spec is intervals
+// only. When one with its ID exists already (another worker, or an earlier
+// start, made it), its intervals are set to opts.Spec's if they differ, so
+// that a changed interval takes effect at the next start instead of being
+// ignored; the rest of its spec (a jitter, a time zone an operator set),
+// its action, policies and state stay as they are. Workers that start
+// together asking for different intervals leave the last one's.
 func Ensure(ctx context.Context, c client.Client, opts client.ScheduleOptions) error {
 	_, err := c.ScheduleClient().Create(ctx, opts)
 	if !errors.Is(err, temporal.ErrScheduleAlreadyRunning) {
@@ -26,18 +27,15 @@ func Ensure(ctx context.Context, c client.Client, opts client.ScheduleOptions) e
 	h := c.ScheduleClient().GetHandle(ctx, opts.ID)
 	return h.Update(ctx, client.ScheduleUpdateOptions{DoUpdate: func(in client.ScheduleUpdateInput) (*client.ScheduleUpdate, error) {
 		s := in.Description.Schedule
-		if s.Spec != nil && same(*s.Spec, opts.Spec) {
-			return nil, temporal.ErrSkipScheduleUpdate
+		var spec client.ScheduleSpec
+		if s.Spec != nil {
+			if slices.Equal(s.Spec.Intervals, opts.Spec.Intervals) {
+				return nil, temporal.ErrSkipScheduleUpdate
+			}
+			spec = *s.Spec
 		}
-		spec := opts.Spec
+		spec.Intervals = opts.Spec.Intervals
 		s.Spec = &spec
 		return &client.ScheduleUpdate{Schedule: &s}, nil
 	}})
-}
-
-// same says whether the spec a Schedule has is want, an intervals-only
-// spec as Ensure's callers give.
-func same(have, want client.ScheduleSpec) bool {
-	return slices.Equal(have.Intervals, want.Intervals) &&
-		len(have.Calendars) == 0 && len(have.CronExpressions) == 0 && len(have.Skip) == 0
 }

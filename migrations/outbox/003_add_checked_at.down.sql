@@ -1,1 +1,0 @@
-ALTER TABLE dedup_outbox DROP COLUMN IF EXISTS checked_at;
