@@ -311,8 +311,8 @@ ORDER BY (state = 'dead' AND requeues >= $3), checked_at NULLS FIRST, id LIMIT $
 		}
 		uctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 		defer cancel()
-		if _, uerr := rc.ob.pool.Exec(uctx, `UPDATE `+t+` SET checked_at = now() WHERE id = ANY($1)`, unsettled); uerr != nil && err == nil {
-			err = fmt.Errorf("outbox: reconcile: mark unresolved messages checked: %w", translate(uerr))
+		if _, uerr := rc.ob.pool.Exec(uctx, `UPDATE `+t+` SET checked_at = now() WHERE id = ANY($1)`, unsettled); uerr != nil {
+			err = errors.Join(err, fmt.Errorf("outbox: reconcile: mark unresolved messages checked: %w", translate(uerr)))
 		}
 	}()
 	for _, c := range cands {
@@ -343,11 +343,11 @@ ORDER BY (state = 'dead' AND requeues >= $3), checked_at NULLS FIRST, id LIMIT $
 		args := []any{c.d.ID, string(c.state), c.d.Attempt}
 		switch {
 		case rejected:
-			sql = `UPDATE ` + t + ` SET state = 'rejected', settled_at = now(), lease_until = NULL, unacked_since = NULL, last_error = $4
+			sql = `UPDATE ` + t + ` SET state = 'rejected', settled_at = now(), lease_until = NULL, unacked_since = NULL, in_send = false, last_error = $4
 WHERE id = $1 AND state = $2 AND attempts = $3`
 			args = append(args, errorText(cerr))
 		case applied:
-			sql = `UPDATE ` + t + ` SET state = 'applied', settled_at = now(), lease_until = NULL, unacked_since = NULL
+			sql = `UPDATE ` + t + ` SET state = 'applied', settled_at = now(), lease_until = NULL, unacked_since = NULL, in_send = false
 WHERE id = $1 AND state = $2 AND attempts = $3`
 		case c.state == StateDead && c.requeues >= rc.cfg.MaxRequeues:
 			unresolved(fmt.Sprintf("not applied at the destination; dead after %d re-queues", c.requeues))

@@ -56,9 +56,10 @@ type RelayConfig struct {
 	// with its last error). A permanent error (ErrPermanent) makes it dead
 	// at once. A send that panics is a failed one. So that a message whose
 	// send stops the process (a crash, an out-of-memory kill) does not stop
-	// every relay in turn, one whose sends began MaxAttempts times without
-	// recording an outcome is made dead without another send; a re-queue by
-	// the reconciler does not reset that count.
+	// every relay in turn, one whose sends began MaxAttempts times in a row
+	// without recording an outcome is made dead without another send; a
+	// recorded failure resets that count, a re-queue by the reconciler does
+	// not.
 	//
 	// Defaults to DefaultMaxAttempts (10).
 	MaxAttempts int
@@ -185,8 +186,8 @@ type RelayResult struct {
 	Retried int
 	// Dead counts messages that became dead in this pass.
 	Dead int
-	// LeaseLost counts messages whose lease had expired and been taken by
-	// another relay: before the send began (this relay did not send it) or
+	// LeaseLost counts messages whose lease ended before the send began
+	// (this relay did not send it), or ended and was taken by another relay
 	// before the acknowledgement (the message was sent twice, with the same
 	// key).
 	LeaseLost int
@@ -271,10 +272,14 @@ func (r *Relay) runOnce(ctx context.Context, progress func(RelayResult)) (RelayR
 	}
 }
 
-// claim leases up to BatchSize due messages.
+// claim leases up to BatchSize due messages. Taking over an expired lease
+// under which no send began (its relay stopped before reaching the message)
+// gives that lease's try back; one under which a send began and recorded
+// nothing counts a stall (see begin).
 func (r *Relay) claim(ctx context.Context, passStart time.Time) ([]Delivery, error) {
 	t := r.ob.table
-	rows, err := r.ob.pool.Query(ctx, `UPDATE `+t+` SET state = 'sending', attempts = attempts + 1, tries = tries + 1,
+	rows, err := r.ob.pool.Query(ctx, `UPDATE `+t+` SET state = 'sending', attempts = attempts + 1,
+	tries = tries + 1 - (state = 'sending' AND NOT in_send)::int,
 	stalls = stalls + in_send::int, in_send = false,
 	lease_until = clock_timestamp() + make_interval(secs => $2),
 	unacked_since = coalesce(unacked_since, clock_timestamp())
@@ -321,7 +326,7 @@ func (r *Relay) deliver(ctx context.Context, leaseEnd time.Time, d Delivery, res
 	if sendErr == nil && d.stalls >= r.cfg.MaxAttempts {
 		// Its sends keep stopping the relay's process (a crash, an
 		// out-of-memory kill on this message): not sent again.
-		sendErr = fmt.Errorf("%w: %d sends of it began and never recorded an outcome, the relay's process having stopped during each (MaxAttempts %d)", ErrPermanent, d.stalls, r.cfg.MaxAttempts)
+		sendErr = fmt.Errorf("%w: %d sends of it in a row began and never recorded an outcome: the relay's process stopped during each, or each outlasted its lease (MaxAttempts %d)", ErrPermanent, d.stalls, r.cfg.MaxAttempts)
 	}
 	if sendErr == nil {
 		held, err := r.begin(ctx, d)
@@ -333,7 +338,7 @@ func (r *Relay) deliver(ctx context.Context, leaseEnd time.Time, d Delivery, res
 			return err
 		case !held:
 			cancelSend()
-			res.LeaseLost++ // its lease expired and another relay took it: not sent
+			res.LeaseLost++ // its lease ended (and another relay may have taken it): not sent
 			r.tel.endSend(ctx, span, d, resultLeaseLost, nil)
 			return nil
 		}
@@ -396,12 +401,14 @@ func (r *Relay) deliver(ctx context.Context, leaseEnd time.Time, d Delivery, res
 }
 
 // begin records that d's send begins (see the in_send column), if this
-// relay still holds its lease; false when another relay took it. The
-// commit does not wait for the flag to reach the disk: one lost in a
-// crash of the database only misses a stall.
+// relay still holds its lease and the lease has not ended; false when it
+// has (the message is not sent: the next claim takes it, giving the try
+// back). The commit does not wait for the flag to reach the disk: one lost
+// in a crash of the database only misses a stall.
 func (r *Relay) begin(ctx context.Context, d Delivery) (bool, error) {
 	tag, err := r.ob.pool.Exec(ctx, `UPDATE `+r.ob.table+` SET in_send = true
-WHERE id = $1 AND state = 'sending' AND attempts = $2 AND set_config('synchronous_commit', 'off', true) IS NOT NULL`, d.ID, d.Attempt)
+WHERE id = $1 AND state = 'sending' AND attempts = $2 AND lease_until > clock_timestamp()
+	AND set_config('synchronous_commit', 'off', true) IS NOT NULL`, d.ID, d.Attempt)
 	if err != nil {
 		return false, fmt.Errorf("outbox: relay: begin sending %s: %w", d.Key, translate(err))
 	}
@@ -437,11 +444,16 @@ WHERE id = $1 AND state = 'sending' AND attempts = $2`, d.ID, d.Attempt)
 }
 
 // fail records a failed send: pending again after backoff, or dead.
+// A failed send resets the stalls (they count in a row); one made dead for
+// its stalls keeps them, so that a re-queue by the reconciler makes it dead
+// again without a send.
 func (r *Relay) fail(ctx context.Context, d Delivery, state State, backoff time.Duration, sendErr error) (int64, error) {
+	stalled := d.stalls >= r.cfg.MaxAttempts
 	tag, err := r.ob.pool.Exec(ctx, `UPDATE `+r.ob.table+` SET state = $3, in_send = false,
+	stalls = CASE WHEN $6 THEN stalls ELSE 0 END,
 	next_attempt_at = now() + make_interval(secs => $4), lease_until = NULL, last_error = $5,
 	settled_at = CASE WHEN $3 = 'dead' THEN now() END
-WHERE id = $1 AND state = 'sending' AND attempts = $2`, d.ID, d.Attempt, string(state), backoff.Seconds(), errorText(sendErr))
+WHERE id = $1 AND state = 'sending' AND attempts = $2`, d.ID, d.Attempt, string(state), backoff.Seconds(), errorText(sendErr), stalled)
 	if err != nil {
 		return 0, fmt.Errorf("outbox: relay: record failure of %s: %w", d.Key, translate(err))
 	}

@@ -252,7 +252,8 @@ func TestSenderPanicIsAFailedSend(t *testing.T) {
 		require.NoError(t, err)
 		return res.Dead == 1
 	}, 10*time.Second, 20*time.Millisecond)
-	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'dead' AND tries = 2 AND last_error LIKE '%sender panicked: poison%'`))
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'dead' AND tries = 2 AND stalls = 0 AND NOT in_send
+		AND last_error LIKE '%sender panicked: poison%'`), "failed sends, recorded: no stall")
 	require.Contains(t, logged.String(), "outbox sender panicked", "with its stack")
 }
 
@@ -300,11 +301,25 @@ func TestMessageThatStopsEveryRelayGoesDead(t *testing.T) {
 	}, 10*time.Second, 20*time.Millisecond)
 	require.Equal(t, int64(2), poisonSends.Load(), "not sent a third time")
 	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE idempotency_key = $1 AND state = 'dead' AND stalls = 2
-		AND last_error LIKE '%2 sends of it began and never recorded an outcome%'`, poison))
-	require.Equal(t, 2, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'sent' AND stalls = 0`), "the others, leased with it, delivered")
+		AND last_error LIKE '%2 sends of it in a row began and never recorded an outcome%'`, poison))
+	require.Equal(t, 2, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'sent' AND stalls = 0 AND tries = 1 AND NOT in_send`),
+		"the others, leased with it, delivered, their leases under the stopped relays not charged")
 	for _, k := range []string{keys[0], keys[2]} {
 		require.Equal(t, 1, dest.count(k))
 	}
+
+	// Re-queued by the reconciler (the destination never saw it), it keeps
+	// its stalls: dead again at the next claim, without a send.
+	rc, err := outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{
+		Checker: outbox.CheckerFunc(func(context.Context, outbox.Delivery) (bool, error) { return false, nil })})
+	require.NoError(t, err)
+	rep, err := rc.Reconcile(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 1, rep.Requeued)
+	res, err := last.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, outbox.RelayResult{Dead: 1}, res)
+	require.Equal(t, int64(2), poisonSends.Load(), "still not sent a third time")
 }
 
 // TestSlowClaimEndsThePass: when the claim itself takes most of the lease,
@@ -678,5 +693,6 @@ func TestRelayStoppingGivesTheMessageBack(t *testing.T) {
 	defer cancel()
 	_, err := r.RunOnce(ctx)
 	require.ErrorIs(t, err, context.DeadlineExceeded)
-	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'pending' AND tries = 0 AND attempts = 0 AND unacked_since IS NULL`))
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'pending' AND tries = 0 AND attempts = 0 AND unacked_since IS NULL
+		AND NOT in_send`), "given back, the send that began cleared: no stall at the next claim")
 }

@@ -8,8 +8,8 @@ ALTER TABLE dedup_outbox ADD COLUMN IF NOT EXISTS checked_at timestamptz;
 -- recorded the outcome yet. A claim that finds it set (the relay's process
 -- stopped during the send: a crash, an out-of-memory kill) counts a stall.
 ALTER TABLE dedup_outbox ADD COLUMN IF NOT EXISTS in_send boolean NOT NULL DEFAULT false;
--- Sends that began and never recorded an outcome. At the relay's
+-- Sends in a row that began and never recorded an outcome. At the relay's
 -- MaxAttempts the message is made dead without another send, so a message
 -- whose send stops the process does not stop every relay in turn. A
--- re-queue by the reconciler keeps them.
+-- recorded failure resets them; a re-queue by the reconciler keeps them.
 ALTER TABLE dedup_outbox ADD COLUMN IF NOT EXISTS stalls integer NOT NULL DEFAULT 0;
