@@ -26,7 +26,9 @@ type Delivery struct {
 	Payload []byte
 	// Attempt counts this message's sends, this one included (from 1). A
 	// send cut off by the relay stopping is given back and not counted, so
-	// the next send has the same Attempt.
+	// the next send has the same Attempt; a lease a relay held when its
+	// process stopped, before it reached this message, is counted (Attempt
+	// is also the lease's fencing token, which never goes back).
 	Attempt int
 
 	tries      int   // sends since enqueued or re-queued, this one included
