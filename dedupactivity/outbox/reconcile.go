@@ -242,9 +242,9 @@ type Unresolved struct {
 
 // Reconcile looks at up to MaxMessages messages that are dead, or pending
 // or with an expired lease and unacknowledged for longer than UnackedAfter,
-// asks their destinations, and settles them. Each change of state is conditional on
-// the message being as it was read, so a relay that sends it meanwhile
-// wins.
+// asks their destinations, and settles them. Each change of state is
+// conditional on the message being as it was read, so a relay that sends
+// it meanwhile wins.
 func (rc *Reconciler) Reconcile(ctx context.Context) (rep ReconcileReport, err error) {
 	ctx, span := rc.tracer.Start(ctx, "OutboxReconcile")
 	defer func() {
