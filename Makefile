@@ -47,9 +47,10 @@ VULNDB      := $(BIN)/vulndb
 VULNDB_STAMP := $(VULNDB)/.snapshot-$(VULNDB_VERSION)
 
 # Debian packages that the tests, the demo, the benchmark and the chaos run start: the
-# PostgreSQL server binaries (initdb, pg_ctl: throwaway clusters), Prometheus (the scrape test)
-# and PgBouncer (the transaction-pooling tests).
-DEPS_PACKAGES := postgresql prometheus pgbouncer
+# PostgreSQL server binaries (initdb, pg_ctl: throwaway clusters), Prometheus (the scrape test),
+# PgBouncer (the transaction-pooling tests) and a C compiler (go test -race needs cgo). The demo
+# needs only the first (see demo:).
+DEPS_PACKAGES := postgresql prometheus pgbouncer gcc
 
 .PHONY: help
 help: ## Show this help.
@@ -72,10 +73,11 @@ jaeger: $(JAEGER) ## Build Jaeger v2 (trace backend for demo-traces and the test
 # Each check looks where the code does (internal/pgtest, internal/obstest): the variable if set
 # (PG_BINDIR, PROMETHEUS_BIN, PGBOUNCER), else PATH, else Debian's install path.
 .PHONY: deps
-deps: ## Install the Debian packages the tests and demo run (postgresql prometheus pgbouncer) if missing, or say the command.
+deps: ## Install the Debian packages the tests and demo run (postgresql prometheus pgbouncer gcc) if missing, or say the command.
 	@has_postgresql() { if [ -n "$${PG_BINDIR:-}" ]; then [ -x "$$PG_BINDIR/initdb" ]; else command -v initdb || compgen -G '/usr/lib/postgresql/*/bin/initdb'; fi; } >/dev/null; \
 	has_prometheus() { if [ -n "$${PROMETHEUS_BIN:-}" ]; then [ -x "$$PROMETHEUS_BIN" ]; else command -v prometheus; fi; } >/dev/null; \
 	has_pgbouncer()  { if [ -n "$${PGBOUNCER:-}" ]; then [ -x "$$PGBOUNCER" ]; else command -v pgbouncer || [ -x /usr/sbin/pgbouncer ]; fi; } >/dev/null; \
+	has_gcc()        { command -v gcc; } >/dev/null; \
 	missing() { for p in $(DEPS_PACKAGES); do has_$$p || echo -n "$$p "; done; }; \
 	m=$$(missing); \
 	if [ -n "$$m" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
@@ -86,7 +88,7 @@ deps: ## Install the Debian packages the tests and demo run (postgresql promethe
 	fi; \
 	if [ -n "$$m" ]; then \
 		echo "missing: $$m(PG_BINDIR, PROMETHEUS_BIN, PGBOUNCER, PATH, /usr/lib/postgresql/*/bin, /usr/sbin). Run:"; \
-		echo "  sudo apt-get install -y $(DEPS_PACKAGES)"; \
+		echo "  sudo apt-get install -y $$m"; \
 		exit 1; \
 	fi; \
 	if [ "$$(id -u)" = 0 ] && ! id postgres >/dev/null 2>&1; then \
@@ -95,6 +97,7 @@ deps: ## Install the Debian packages the tests and demo run (postgresql promethe
 	fi
 
 .PHONY: demo
+demo: DEPS_PACKAGES := postgresql
 demo: deps $(TEMPORAL) ## Run the main job: transfers with injected redeliveries on embedded PostgreSQL + Temporal.
 	$(GO) run ./cmd/demo $(DEMO_FLAGS)
 

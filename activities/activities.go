@@ -251,6 +251,16 @@ func OpenAccounts(ctx context.Context, pool *pgxpool.Pool, balance int64, ids ..
 	return nil
 }
 
+// EnsureAccounts creates, with the given balance, those of the accounts
+// that do not exist yet; existing ones keep their balance, so that their
+// ledger still adds up (OpenAccounts resets them).
+func EnsureAccounts(ctx context.Context, pool *pgxpool.Pool, balance int64, ids ...string) error {
+	if _, err := pool.Exec(ctx, `INSERT INTO account (id, balance) SELECT unnest($1::text[]), $2 ON CONFLICT (id) DO NOTHING`, ids, balance); err != nil {
+		return fmt.Errorf("ensure accounts %q: %w", ids, err)
+	}
+	return nil
+}
+
 // TransferLedger is what the ledger holds for one transfer.
 type TransferLedger struct {
 	Debits, Credits   int

@@ -110,6 +110,21 @@ func TestUnknownAccount(t *testing.T) {
 	require.Equal(t, int64(95), r.Balance)
 }
 
+// TestEnsureAccounts: accounts that exist keep their balance; the others
+// are opened with the one given.
+func TestEnsureAccounts(t *testing.T) {
+	t.Parallel()
+	_, s := setup(t) // a and b at 100
+	ctx := context.Background()
+	_, err := s.Pool.Exec(ctx, `UPDATE account SET balance = 42 WHERE id = 'a'`)
+	require.NoError(t, err)
+	require.NoError(t, activities.EnsureAccounts(ctx, s.Pool, 7, "a", "c"))
+	var a, c int64
+	require.NoError(t, s.Pool.QueryRow(ctx, `SELECT (SELECT balance FROM account WHERE id = 'a'), (SELECT balance FROM account WHERE id = 'c')`).Scan(&a, &c))
+	require.Equal(t, int64(42), a, "kept")
+	require.Equal(t, int64(7), c, "opened")
+}
+
 func TestLoseCompletionCommitsThenFails(t *testing.T) {
 	t.Parallel()
 	env, s := setup(t)

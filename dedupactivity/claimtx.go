@@ -93,6 +93,9 @@ func ClaimTx[Out any](ctx context.Context, d *Deduper, tx pgx.Tx, id Identity, i
 	}
 	if claimed {
 		a.outcome, c.outcome = OutcomeClaimed, OutcomeClaimed
+		if conn := tx.Conn(); conn != nil {
+			stateOf(conn).claimOpen(c.m.sum, c.m.xact)
+		}
 		return c, nil
 	}
 	// A duplicate: a new statement of this transaction reads the committed
@@ -113,9 +116,12 @@ func ClaimTx[Out any](ctx context.Context, d *Deduper, tx pgx.Tx, id Identity, i
 	}
 	if rerr == nil && found && st.result == nil {
 		// No result yet: the marker may be this very transaction's, from an
-		// earlier ClaimTx of the same event not completed yet.
+		// earlier ClaimTx of the same event not completed yet (the row's
+		// xmin says so, or, when that claim ran in a savepoint, whose
+		// subtransaction wrote the row, the connection remembers it).
 		var xact *string
-		if err := tx.QueryRow(ctx, currentXactSQL).Scan(&xact); err == nil && xact != nil && sameXact(*xact, st.xmin) {
+		if err := tx.QueryRow(ctx, currentXactSQL).Scan(&xact); err == nil && xact != nil &&
+			(sameXact(*xact, st.xmin) || tx.Conn() != nil && stateOf(tx.Conn()).claimedOpen(c.m.sum, *xact)) {
 			return nil, errors.New("dedupactivity: the event is already claimed in this transaction, and not completed: Complete that claim, or claim each event once per transaction")
 		}
 	}
@@ -154,6 +160,9 @@ func (c *Claim[Out]) Complete(ctx context.Context, result Out) error {
 		return err
 	}
 	c.done = true
+	if conn := c.tx.Conn(); conn != nil {
+		delete(stateOf(conn).open, c.m.sum)
+	}
 	c.m.result = b
 	batch := &pgx.Batch{}
 	c.d.store.queueComplete(batch, c.m, !c.d.opts.DiscardResults)

@@ -2,6 +2,7 @@ package dedupactivity_test
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
@@ -100,6 +101,29 @@ func TestClaimTx(t *testing.T) {
 	require.ErrorContains(t, err, "already claimed in this transaction")
 	require.NotErrorIs(t, err, dedupactivity.ErrTxEnded)
 	require.NoError(t, twice.Rollback(ctx))
+
+	// The same inside a savepoint (a nested pgx.Tx, as ORMs make), where
+	// the marker's xmin is the subtransaction's, not the transaction's; and
+	// the first claim in a savepoint, the second after it was released.
+	for _, release := range []bool{false, true} {
+		id = dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: fmt.Sprintf("order-savepoint-%v", release)}
+		outer, err := b.pool.Begin(ctx)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = outer.Rollback(ctx) }) // also if an assertion below fails
+		sp, err := outer.Begin(ctx)
+		require.NoError(t, err)
+		_, err = dedupactivity.ClaimTx[Posting](ctx, b.d, sp, id, in)
+		require.NoError(t, err)
+		again := sp
+		if release {
+			require.NoError(t, sp.Commit(ctx)) // RELEASE SAVEPOINT
+			again = outer
+		}
+		_, err = dedupactivity.ClaimTx[Posting](ctx, b.d, again, id, in)
+		require.ErrorContains(t, err, "already claimed in this transaction", "released=%v", release)
+		require.NotErrorIs(t, err, dedupactivity.ErrTxEnded)
+		require.NoError(t, outer.Rollback(ctx))
+	}
 
 	// Complete in another transaction than the claim's.
 	id = dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "order-4"}

@@ -25,3 +25,9 @@ var ErrDuplicate = errDuplicate
 // MayRide exposes whether a delivery's claim may ride with its effect's
 // first statement.
 var MayRide = mayRide
+
+// PruneWithProgress runs Prune with its progress hook, called before each
+// past partition is read.
+func PruneWithProgress(ctx context.Context, d *Deduper, progress func(deleted int64)) (int64, error) {
+	return d.prune(ctx, progress)
+}

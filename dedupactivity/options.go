@@ -222,8 +222,9 @@ func (o Options) validate() error {
 	if o.Retention < time.Minute {
 		return fmt.Errorf("%w: Retention must be at least 1m, got %s", ErrInvalidOptions, o.Retention)
 	}
-	if o.PartitionInterval < 0 || (o.PartitionInterval > 0 && o.PartitionInterval < time.Second) {
-		return fmt.Errorf("%w: PartitionInterval must be 0 or at least 1s, got %s", ErrInvalidOptions, o.PartitionInterval)
+	if o.PartitionInterval < 0 || (o.PartitionInterval > 0 && o.PartitionInterval < time.Second) || o.PartitionInterval%time.Second != 0 {
+		// Whole seconds: partition bounds are read back to the second.
+		return fmt.Errorf("%w: PartitionInterval must be 0 or a whole number of seconds, at least 1s, got %s", ErrInvalidOptions, o.PartitionInterval)
 	}
 	if o.PartitionsAhead < 1 {
 		return fmt.Errorf("%w: PartitionsAhead must be at least 1, got %d", ErrInvalidOptions, o.PartitionsAhead)

@@ -118,6 +118,9 @@ func (d *Deduper) dropExpiredPartitions(ctx context.Context, progress func(delet
 		}
 		var live bool
 		if err := d.pool.QueryRow(ctx, anyLiveSQL(d.qualify(p.name))).Scan(&live); err != nil {
+			if sqlState(err) == stateUndefinedTable {
+				continue // another pruner dropped it since the list was read
+			}
 			return deleted, fmt.Errorf("dedupactivity: read partition %s: %w", p.name, interpretError(err, false))
 		}
 		if live {
@@ -144,6 +147,9 @@ func (d *Deduper) dropExpiredPartitions(ctx context.Context, progress func(delet
 		case err == nil:
 			deleted += rows
 		case errors.Is(err, errKeep), sqlState(err) == stateLockNotAvailable:
+		case sqlState(err) == stateUndefinedTable:
+			// Another pruner detached or dropped it meanwhile ("is not a
+			// partition", or no such table).
 		default:
 			return deleted, fmt.Errorf("dedupactivity: drop partition %s: %w", p.name, err)
 		}

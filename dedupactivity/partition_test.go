@@ -92,6 +92,11 @@ func TestPartitionedLayout(t *testing.T) {
 	_, err = env.ExecuteLocalActivity(fn, Transfer{Account: "a", Amount: 1})
 	require.ErrorContains(t, err, "partitioned layout")
 
+	// Partition bounds are read back to the second.
+	_, err = dedupactivity.New(b.pool, dedupactivity.Options{PartitionInterval: 1500 * time.Millisecond})
+	require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions)
+	require.ErrorContains(t, err, "whole number of seconds")
+
 	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "k"}
 	_, _, err = dedupactivity.Do(ctx, b.d, id, Transfer{Account: "a", Amount: 1}, b.post)
 	require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions)
@@ -157,4 +162,41 @@ func TestMigrateRefusesTheOtherLayout(t *testing.T) {
 	require.NoError(t, same.Migrate(ctx), "the table's own interval, read in another DateStyle and TimeZone")
 	_, err = same.Prune(ctx)
 	require.NoError(t, err)
+}
+
+// TestTwoPrunersAtOnce: a pruner that finds a partition dropped by another
+// since it listed them passes over it, instead of failing with
+// ErrNotMigrated (the table it was to read is gone).
+func TestTwoPrunersAtOnce(t *testing.T) {
+	t.Parallel()
+	opts := dedupactivity.Options{PartitionInterval: 2 * time.Second, PartitionsAhead: 1, Retention: time.Minute}
+	b := setup(t, opts)
+	ctx := context.Background()
+	_, err := deliver(t, "Post", dedupactivity.Wrap(b.d, b.post), Transfer{Account: "a", Amount: 1})
+	require.NoError(t, err)
+	var past int64
+	require.Eventually(t, func() bool { // the marker's partition's range is over
+		require.NoError(t, b.pool.QueryRow(ctx, `SELECT count(*) FROM dedup_marker WHERE scheduled_at < now() - interval '2 seconds'`).Scan(&past))
+		return past == 1
+	}, 10*time.Second, 100*time.Millisecond)
+	_, err = b.pool.Exec(ctx, `UPDATE dedup_marker SET expires_at = now() - interval '1 second'`)
+	require.NoError(t, err)
+
+	other, err := dedupactivity.New(b.pool, opts)
+	require.NoError(t, err)
+	var aDeleted int64
+	var aErr error
+	ran := false
+	deleted, err := dedupactivity.PruneWithProgress(ctx, b.d, func(int64) {
+		if !ran { // between this pruner's list and its read of the partition
+			ran = true
+			aDeleted, aErr = other.Prune(ctx)
+		}
+	})
+	require.True(t, ran)
+	require.NoError(t, aErr)
+	require.Equal(t, int64(1), aDeleted, "the other pruner dropped the partition")
+	require.NoError(t, err, "this one passes over it")
+	require.Zero(t, deleted)
+	require.Zero(t, b.markers(t))
 }

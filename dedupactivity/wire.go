@@ -91,8 +91,11 @@ type connState struct {
 	// server reads as SQL): they do not ride on this connection, so a
 	// failing Parse is not sent with every delivery.
 	refused map[string]bool
-	eqb     pgx.ExtendedQueryBuilder
-	trip    trip // reused: a connection runs one round trip at a time
+	// open are the events ClaimTx claimed on the connection and did not
+	// Complete yet, each with its top-level transaction (see claimOpen).
+	open map[[32]byte]string
+	eqb  pgx.ExtendedQueryBuilder
+	trip trip // reused: a connection runs one round trip at a time
 }
 
 // prepared is a statement prepared on the connection, and the prepare call
@@ -119,6 +122,30 @@ func stateOf(conn *pgx.Conn) *connState {
 	s.prepTracer, _ = cfg.Tracer.(pgx.PrepareTracer)
 	data[connStateKey] = s
 	return s
+}
+
+// maxOpen bounds connState.open: entries of transactions that ended
+// without Complete (rolled back) match no later transaction, so dropping
+// them all costs nothing but the clearer error for one of a transaction's
+// own claims.
+const maxOpen = 256
+
+// claimOpen remembers that ClaimTx claimed the event sum in the top-level
+// transaction xact, so that claiming it again in that transaction before
+// Complete is said plainly, also when the first claim ran in a savepoint
+// (whose subtransaction, not xact, is then the marker row's xmin).
+func (s *connState) claimOpen(sum [32]byte, xact string) {
+	if s.open == nil || len(s.open) >= maxOpen {
+		s.open = make(map[[32]byte]string)
+	}
+	s.open[sum] = xact
+}
+
+// claimedOpen says whether ClaimTx claimed the event sum in the top-level
+// transaction xact and it was not completed.
+func (s *connState) claimedOpen(sum [32]byte, xact string) bool {
+	x, ok := s.open[sum]
+	return ok && x == xact
 }
 
 // described is the description of the statement sql prepared on the

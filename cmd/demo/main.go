@@ -1,11 +1,16 @@
 // Command demo is the project's main job: it runs transfer workflows with
-// injected redeliveries (lost completions, overlapping attempts) on a real
-// PostgreSQL and a real Temporal server, then prints what each attempt did
-// and checks the ledger: money conserved, each transfer applied once.
+// injected redeliveries (lost completions, overlapping attempts, a lost
+// receipt acknowledgement) on a real PostgreSQL and a real Temporal server,
+// then prints what each attempt did and checks the ledger: money conserved,
+// each transfer applied once, one receipt each at the receipts service, and
+// the faults seen to fire.
 //
 // With no configuration it starts a throwaway PostgreSQL cluster from the
 // local binaries and a Temporal dev server (from bin/temporal or PATH); set
-// DATABASE_URL or TEMPORAL_ADDRESS to use your own. It exits non-zero if the
+// DATABASE_URL or TEMPORAL_ADDRESS to use your own. DATABASE_URL must name a
+// database of its own: the demo's relay sends whatever the outbox table
+// there holds, its checks count the whole table, and it creates a receipts
+// database beside it (which needs CREATEDB). It exits non-zero if the
 // invariant fails.
 package main
 
@@ -28,6 +33,7 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.temporal.io/sdk/client"
@@ -171,6 +177,10 @@ func run() error {
 		if err := h.Delete(context.WithoutCancel(ctx)); err != nil {
 			fmt.Fprintln(os.Stderr, "demo: delete reconcile schedule:", err)
 		}
+		h = w.Client.ScheduleClient().GetHandle(context.WithoutCancel(ctx), ledgerworker.OutboxPruneScheduleID(taskQueue))
+		if err := h.Delete(context.WithoutCancel(ctx)); err != nil {
+			fmt.Fprintln(os.Stderr, "demo: delete outbox prune schedule:", err)
+		}
 	}()
 
 	accounts := make([]string, cfg.accounts)
@@ -185,14 +195,25 @@ func run() error {
 		cfg.workflows, taskQueue, cfg.lostEvery, cfg.stallEvery)
 	results := runTransfers(ctx, w.Client, taskQueue, accounts, cfg)
 
-	// Let the relay deliver what the last transfers enqueued.
-	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
-		st, err := w.Outbox.Stats(ctx)
-		if err == nil && st.Pending+st.Sending == 0 {
-			break
+	// Let the relay deliver what the last transfers enqueued. Then lose
+	// one acknowledgement, as a relay that dies after sending would: the
+	// receipt is sent again with its key, and the receipts service must
+	// replay its answer instead of storing a second receipt.
+	drain := func() {
+		for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
+			st, err := w.Outbox.Stats(ctx)
+			if err == nil && st.Pending+st.Sending == 0 {
+				return
+			}
 		}
 	}
-	reportErr := report(ctx, w, rs, reader, accounts, cfg, results, time.Since(began))
+	drain()
+	lostAcks, err := loseAcknowledgement(ctx, w.Pool, results)
+	if err != nil {
+		return err
+	}
+	drain()
+	reportErr := report(ctx, w, rs, reader, accounts, cfg, results, lostAcks, time.Since(began))
 	if jaeger != nil {
 		if err := showTraces(ctx, jaeger, envTel, cfg.workflows); err != nil {
 			return errors.Join(reportErr, err)
@@ -268,7 +289,7 @@ func runTransfers(ctx context.Context, c client.Client, taskQueue string, accoun
 		if cfg.lostEvery > 0 && i%cfg.lostEvery == 0 {
 			req.Faults.LoseCompletion = true
 		}
-		if cfg.stallEvery > 0 && i%cfg.stallEvery == 1 {
+		if cfg.stallEvery > 0 && i%cfg.stallEvery == 1%cfg.stallEvery {
 			req.Faults.StallCredit = cfg.stall
 		}
 		out[i].req = req
@@ -299,7 +320,7 @@ func runTransfers(ctx context.Context, c client.Client, taskQueue string, accoun
 	}
 }
 
-func report(ctx context.Context, w *ledgerworker.Worker, rs *receiptsService, reader *sdkmetric.ManualReader, accounts []string, cfg config, results []outcome, took time.Duration) error {
+func report(ctx context.Context, w *ledgerworker.Worker, rs *receiptsService, reader *sdkmetric.ManualReader, accounts []string, cfg config, results []outcome, lostAcks int, took time.Duration) error {
 	pool := w.Pool
 	byOutcome, err := ledgerworker.Counts(ctx, reader)
 	if err != nil {
@@ -382,17 +403,31 @@ func report(ctx context.Context, w *ledgerworker.Worker, rs *receiptsService, re
 	fmt.Fprintf(tw, "workflows started\t%d\t\n", len(results))
 	fmt.Fprintf(tw, "workflows completed\t%d\t\n", completed)
 	fmt.Fprintf(tw, "workflows failed\t%d\t\n", failed)
-	lost, stalled := 0, 0
+	lost, stalled, lostDone := 0, 0, 0
 	for _, r := range results {
 		if r.req.Faults.LoseCompletion {
 			lost++
+			if r.err == nil {
+				lostDone++
+			}
 		}
 		if r.req.Faults.StallCredit > 0 {
 			stalled++
 		}
 	}
+	// The faults must have fired, or the invariant proves nothing: each
+	// completed transfer whose debit lost its completion was redelivered
+	// and found a duplicate, and the receipt whose acknowledgement was
+	// lost was sent again.
+	if dups := byOutcome[string(dedupactivity.OutcomeDuplicate)]; dups < int64(lostDone) {
+		problems = append(problems, fmt.Sprintf("%d completed transfers lost a completion, but only %d duplicates were seen: the faults did not fire", lostDone, dups))
+	}
+	if st.Resends < int64(lostAcks) {
+		problems = append(problems, fmt.Sprintf("%d receipt acknowledgements were lost, but only %d receipts were sent again", lostAcks, st.Resends))
+	}
 	fmt.Fprintf(tw, "injected: lost completions\t%d\t\n", lost)
 	fmt.Fprintf(tw, "injected: overlapping attempts\t%d\t\n", stalled)
+	fmt.Fprintf(tw, "injected: lost receipt acknowledgements\t%d\t\n", lostAcks)
 	fmt.Fprintf(tw, "activity attempts\t%d\t\n", attempts)
 	for _, o := range []dedupactivity.Outcome{dedupactivity.OutcomeClaimed, dedupactivity.OutcomeDuplicate, dedupactivity.OutcomePayloadMismatch,
 		dedupactivity.OutcomeEffectError, dedupactivity.OutcomeClaimTimeout, dedupactivity.OutcomeError} {
@@ -420,9 +455,27 @@ func report(ctx context.Context, w *ledgerworker.Worker, rs *receiptsService, re
 		}
 		return errors.New("invariant failed")
 	}
-	fmt.Printf("\nINVARIANT HOLDS: money conserved (%d), each of %d transfers applied exactly once (%d ledger rows), %d redelivered attempts returned the stored result, each completed transfer has exactly one receipt at the destination (%d)\n",
-		total, completed, rows, byOutcome[string(dedupactivity.OutcomeDuplicate)], receiptsApplied)
+	fmt.Printf("\nINVARIANT HOLDS: money conserved (%d), each of %d transfers applied exactly once (%d ledger rows), %d redelivered attempts returned the stored result, each completed transfer has exactly one receipt at the destination (%d, %d of them sent again)\n",
+		total, completed, rows, byOutcome[string(dedupactivity.OutcomeDuplicate)], receiptsApplied, st.Resends)
 	return nil
+}
+
+// loseAcknowledgement makes the receipt of the first completed transfer due
+// again, as if its relay had died after sending it: the relay sends it
+// again with the same key. It returns how many it made due (0 or 1).
+func loseAcknowledgement(ctx context.Context, pool *pgxpool.Pool, results []outcome) (int, error) {
+	for _, r := range results {
+		if r.err != nil {
+			continue
+		}
+		tag, err := pool.Exec(ctx, `UPDATE dedup_outbox SET state = 'pending', next_attempt_at = now(), settled_at = NULL
+WHERE state = 'sent' AND convert_from(payload, 'UTF8')::jsonb ->> 'TransferID' = $1`, r.req.TransferID)
+		if err != nil {
+			return 0, fmt.Errorf("lose a receipt's acknowledgement: %w", err)
+		}
+		return int(tag.RowsAffected()), nil
+	}
+	return 0, nil
 }
 
 func randInt(n int) int {

@@ -25,6 +25,9 @@ func TestDemo(t *testing.T) {
 	require.NoError(t, err, "%s", out)
 	require.Contains(t, string(out), "INVARIANT HOLDS")
 	require.Contains(t, string(out), "workflows completed       15")
+	// The faults fired: the report fails otherwise, and says so here.
+	require.Regexp(t, `injected: lost receipt acknowledgements\s+1\s`, string(out))
+	require.Regexp(t, `exactly one receipt at the destination \(15, [1-9]\d* of them sent again\)`, string(out))
 	require.Contains(t, string(out), "Temporal Web UI: http://127.0.0.1:")
 }
 

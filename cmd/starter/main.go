@@ -47,7 +47,8 @@ func run() error {
 		return err
 	}
 	defer w.Close()
-	if err := activities.OpenAccounts(ctx, w, 1_000_000, "alice", "bob"); err != nil {
+	// Opened once: a second run keeps the balances its transfers moved.
+	if err := activities.EnsureAccounts(ctx, w, 1_000_000, "alice", "bob"); err != nil {
 		return fmt.Errorf("open accounts (is the worker running? it creates the schema): %w", err)
 	}
 
