@@ -422,6 +422,9 @@ func report(ctx context.Context, w *ledgerworker.Worker, rs *receiptsService, re
 	if dups := byOutcome[string(dedupactivity.OutcomeDuplicate)]; dups < int64(lostDone) {
 		problems = append(problems, fmt.Sprintf("%d completed transfers lost a completion, but only %d duplicates were seen: the faults did not fire", lostDone, dups))
 	}
+	if lostAcks == 0 && completed > 0 {
+		problems = append(problems, "no receipt was acknowledged, so none could lose its acknowledgement")
+	}
 	if st.Resends < int64(lostAcks) {
 		problems = append(problems, fmt.Sprintf("%d receipt acknowledgements were lost, but only %d receipts were sent again", lostAcks, st.Resends))
 	}
@@ -460,22 +463,22 @@ func report(ctx context.Context, w *ledgerworker.Worker, rs *receiptsService, re
 	return nil
 }
 
-// loseAcknowledgement makes the receipt of the first completed transfer due
+// loseAcknowledgement makes the receipt of one completed transfer due
 // again, as if its relay had died after sending it: the relay sends it
 // again with the same key. It returns how many it made due (0 or 1).
 func loseAcknowledgement(ctx context.Context, pool *pgxpool.Pool, results []outcome) (int, error) {
+	var ids []string
 	for _, r := range results {
-		if r.err != nil {
-			continue
+		if r.err == nil {
+			ids = append(ids, r.req.TransferID)
 		}
-		tag, err := pool.Exec(ctx, `UPDATE dedup_outbox SET state = 'pending', next_attempt_at = now(), settled_at = NULL
-WHERE state = 'sent' AND convert_from(payload, 'UTF8')::jsonb ->> 'TransferID' = $1`, r.req.TransferID)
-		if err != nil {
-			return 0, fmt.Errorf("lose a receipt's acknowledgement: %w", err)
-		}
-		return int(tag.RowsAffected()), nil
 	}
-	return 0, nil
+	tag, err := pool.Exec(ctx, `UPDATE dedup_outbox SET state = 'pending', next_attempt_at = now(), settled_at = NULL
+WHERE id = (SELECT min(id) FROM dedup_outbox WHERE state = 'sent' AND convert_from(payload, 'UTF8')::jsonb ->> 'TransferID' = ANY($1))`, ids)
+	if err != nil {
+		return 0, fmt.Errorf("lose a receipt's acknowledgement: %w", err)
+	}
+	return int(tag.RowsAffected()), nil
 }
 
 func randInt(n int) int {
