@@ -49,7 +49,7 @@ VULNDB_STAMP := $(VULNDB)/.snapshot-$(VULNDB_VERSION)
 # Debian packages that the tests, the demo, the benchmark and the chaos run start: the
 # PostgreSQL server binaries (initdb, pg_ctl: throwaway clusters), Prometheus (the scrape test),
 # PgBouncer (the transaction-pooling tests) and a C compiler (go test -race needs cgo). The demo
-# needs only the first (see demo:).
+# asks only for the first.
 DEPS_PACKAGES := postgresql prometheus pgbouncer gcc
 
 .PHONY: help
@@ -97,8 +97,8 @@ deps: ## Install the Debian packages the tests and demo run (postgresql promethe
 	fi
 
 .PHONY: demo
-demo: DEPS_PACKAGES := postgresql
-demo: deps $(TEMPORAL) ## Run the main job: transfers with injected redeliveries on embedded PostgreSQL + Temporal.
+demo: $(TEMPORAL) ## Run the main job: transfers with injected redeliveries on embedded PostgreSQL + Temporal.
+	@$(MAKE) --no-print-directory deps DEPS_PACKAGES=postgresql
 	$(GO) run ./cmd/demo $(DEMO_FLAGS)
 
 .PHONY: demo-traces

@@ -160,9 +160,6 @@ func (c *Claim[Out]) Complete(ctx context.Context, result Out) error {
 		return err
 	}
 	c.done = true
-	if conn := c.tx.Conn(); conn != nil {
-		delete(stateOf(conn).open, c.m.sum)
-	}
 	c.m.result = b
 	batch := &pgx.Batch{}
 	c.d.store.queueComplete(batch, c.m, !c.d.opts.DiscardResults)
@@ -176,6 +173,12 @@ func (c *Claim[Out]) Complete(ctx context.Context, result Out) error {
 		return fmt.Errorf("dedupactivity: store result: %w", interpretError(err, false)) // ErrTxEnded: not the claim's transaction
 	case !found:
 		return fmt.Errorf("%w: the marker row was changed in the transaction", ErrTxEnded)
+	}
+	// The transaction is the claim's and still open, so its connection is
+	// this goroutine's (after Commit or Rollback a pool may have handed it
+	// to another, and the batch above failed).
+	if conn := c.tx.Conn(); conn != nil {
+		delete(stateOf(conn).open, c.m.sum)
 	}
 	return nil
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"time"
 
@@ -118,7 +119,7 @@ func (d *Deduper) dropExpiredPartitions(ctx context.Context, progress func(delet
 		}
 		var live bool
 		if err := d.pool.QueryRow(ctx, anyLiveSQL(d.qualify(p.name))).Scan(&live); err != nil {
-			if sqlState(err) == stateUndefinedTable {
+			if sqlState(err) == stateUndefinedTable && d.gone(ctx, p.name) {
 				continue // another pruner dropped it since the list was read
 			}
 			return deleted, fmt.Errorf("dedupactivity: read partition %s: %w", p.name, interpretError(err, false))
@@ -147,7 +148,7 @@ func (d *Deduper) dropExpiredPartitions(ctx context.Context, progress func(delet
 		case err == nil:
 			deleted += rows
 		case errors.Is(err, errKeep), sqlState(err) == stateLockNotAvailable:
-		case sqlState(err) == stateUndefinedTable:
+		case sqlState(err) == stateUndefinedTable && d.gone(ctx, p.name):
 			// Another pruner detached or dropped it meanwhile ("is not a
 			// partition", or no such table).
 		default:
@@ -155,6 +156,14 @@ func (d *Deduper) dropExpiredPartitions(ctx context.Context, progress func(delet
 		}
 	}
 	return deleted, nil
+}
+
+// gone says whether the partition name is no longer attached to the marker
+// table: another pruner detached it since the list was read. A partition
+// still listed whose name does not resolve is an error of its own.
+func (d *Deduper) gone(ctx context.Context, name string) bool {
+	parts, err := d.partitions(ctx)
+	return err == nil && !slices.ContainsFunc(parts, func(p partition) bool { return p.name == name })
 }
 
 // maintain runs fn in a transaction whose lock waits are bounded by

@@ -33,6 +33,7 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
@@ -41,6 +42,7 @@ import (
 
 	"github.com/dedupactivity/dedupactivity/activities"
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
+	"github.com/dedupactivity/dedupactivity/dedupactivity/outbox"
 	"github.com/dedupactivity/dedupactivity/internal/ledgerworker"
 	"github.com/dedupactivity/dedupactivity/internal/obstest"
 	"github.com/dedupactivity/dedupactivity/internal/pgtest"
@@ -208,12 +210,12 @@ func run() error {
 		}
 	}
 	drain()
-	lostAcks, err := loseAcknowledgement(ctx, w.Pool, results)
+	lostAck, err := loseAcknowledgement(ctx, w.Pool, results)
 	if err != nil {
 		return err
 	}
 	drain()
-	reportErr := report(ctx, w, rs, reader, accounts, cfg, results, lostAcks, time.Since(began))
+	reportErr := report(ctx, w, rs, reader, accounts, cfg, results, lostAck, time.Since(began))
 	if jaeger != nil {
 		if err := showTraces(ctx, jaeger, envTel, cfg.workflows); err != nil {
 			return errors.Join(reportErr, err)
@@ -320,7 +322,7 @@ func runTransfers(ctx context.Context, c client.Client, taskQueue string, accoun
 	}
 }
 
-func report(ctx context.Context, w *ledgerworker.Worker, rs *receiptsService, reader *sdkmetric.ManualReader, accounts []string, cfg config, results []outcome, lostAcks int, took time.Duration) error {
+func report(ctx context.Context, w *ledgerworker.Worker, rs *receiptsService, reader *sdkmetric.ManualReader, accounts []string, cfg config, results []outcome, lostAck int64, took time.Duration) error {
 	pool := w.Pool
 	byOutcome, err := ledgerworker.Counts(ctx, reader)
 	if err != nil {
@@ -422,11 +424,20 @@ func report(ctx context.Context, w *ledgerworker.Worker, rs *receiptsService, re
 	if dups := byOutcome[string(dedupactivity.OutcomeDuplicate)]; dups < int64(lostDone) {
 		problems = append(problems, fmt.Sprintf("%d completed transfers lost a completion, but only %d duplicates were seen: the faults did not fire", lostDone, dups))
 	}
-	if lostAcks == 0 && completed > 0 {
+	lostAcks := 0
+	switch {
+	case lostAck != 0:
+		lostAcks = 1
+		var attempts int
+		var state string
+		if err := pool.QueryRow(ctx, `SELECT attempts, state FROM dedup_outbox WHERE id = $1`, lostAck).Scan(&attempts, &state); err != nil {
+			return err
+		}
+		if attempts < 2 || state != string(outbox.StateSent) {
+			problems = append(problems, fmt.Sprintf("the receipt whose acknowledgement was lost was not sent again and acknowledged (%d sends, %s)", attempts, state))
+		}
+	case completed > 0:
 		problems = append(problems, "no receipt was acknowledged, so none could lose its acknowledgement")
-	}
-	if st.Resends < int64(lostAcks) {
-		problems = append(problems, fmt.Sprintf("%d receipt acknowledgements were lost, but only %d receipts were sent again", lostAcks, st.Resends))
 	}
 	fmt.Fprintf(tw, "injected: lost completions\t%d\t\n", lost)
 	fmt.Fprintf(tw, "injected: overlapping attempts\t%d\t\n", stalled)
@@ -465,20 +476,23 @@ func report(ctx context.Context, w *ledgerworker.Worker, rs *receiptsService, re
 
 // loseAcknowledgement makes the receipt of one completed transfer due
 // again, as if its relay had died after sending it: the relay sends it
-// again with the same key. It returns how many it made due (0 or 1).
-func loseAcknowledgement(ctx context.Context, pool *pgxpool.Pool, results []outcome) (int, error) {
+// again with the same key. It returns the message's ID, 0 if there was no
+// acknowledged receipt to take.
+func loseAcknowledgement(ctx context.Context, pool *pgxpool.Pool, results []outcome) (int64, error) {
 	var ids []string
 	for _, r := range results {
 		if r.err == nil {
 			ids = append(ids, r.req.TransferID)
 		}
 	}
-	tag, err := pool.Exec(ctx, `UPDATE dedup_outbox SET state = 'pending', next_attempt_at = now(), settled_at = NULL
-WHERE id = (SELECT min(id) FROM dedup_outbox WHERE state = 'sent' AND convert_from(payload, 'UTF8')::jsonb ->> 'TransferID' = ANY($1))`, ids)
-	if err != nil {
+	var id int64
+	err := pool.QueryRow(ctx, `UPDATE dedup_outbox SET state = 'pending', next_attempt_at = now(), settled_at = NULL
+WHERE id = (SELECT min(id) FROM dedup_outbox WHERE state = 'sent' AND convert_from(payload, 'UTF8')::jsonb ->> 'TransferID' = ANY($1))
+RETURNING id`, ids).Scan(&id)
+	if err != nil && !errors.Is(err, pgx.ErrNoRows) {
 		return 0, fmt.Errorf("lose a receipt's acknowledgement: %w", err)
 	}
-	return int(tag.RowsAffected()), nil
+	return id, nil
 }
 
 func randInt(n int) int {
