@@ -168,20 +168,14 @@ func run() error {
 		return err
 	}
 	defer w.Stop()
-	// The task queue is this run's own: its prune schedule would outlive it
+	// The task queue is this run's own: its Schedules would outlive it
 	// on a shared Temporal server (TEMPORAL_ADDRESS).
 	defer func() {
-		h := w.Client.ScheduleClient().GetHandle(context.WithoutCancel(ctx), ledgerworker.PruneScheduleID(taskQueue))
-		if err := h.Delete(context.WithoutCancel(ctx)); err != nil {
-			fmt.Fprintln(os.Stderr, "demo: delete prune schedule:", err)
-		}
-		h = w.Client.ScheduleClient().GetHandle(context.WithoutCancel(ctx), ledgerworker.ReconcileScheduleID(taskQueue))
-		if err := h.Delete(context.WithoutCancel(ctx)); err != nil {
-			fmt.Fprintln(os.Stderr, "demo: delete reconcile schedule:", err)
-		}
-		h = w.Client.ScheduleClient().GetHandle(context.WithoutCancel(ctx), ledgerworker.OutboxPruneScheduleID(taskQueue))
-		if err := h.Delete(context.WithoutCancel(ctx)); err != nil {
-			fmt.Fprintln(os.Stderr, "demo: delete outbox prune schedule:", err)
+		for _, id := range ledgerworker.ScheduleIDs(taskQueue) {
+			h := w.Client.ScheduleClient().GetHandle(context.WithoutCancel(ctx), id)
+			if err := h.Delete(context.WithoutCancel(ctx)); err != nil {
+				fmt.Fprintf(os.Stderr, "demo: delete schedule %s: %v\n", id, err)
+			}
 		}
 	}()
 

@@ -299,6 +299,12 @@ func ReconcileScheduleID(taskQueue string) string { return "outbox-reconcile-" +
 // OutboxPruneScheduleID is the ID of the worker's outbox prune schedule.
 func OutboxPruneScheduleID(taskQueue string) string { return "outbox-prune-" + taskQueue }
 
+// ScheduleIDs are the IDs of every Schedule that Schedules may create for
+// taskQueue, for a caller that deletes them with its task queue.
+func ScheduleIDs(taskQueue string) []string {
+	return []string{PruneScheduleID(taskQueue), OutboxPruneScheduleID(taskQueue), ReconcileScheduleID(taskQueue)}
+}
+
 // Migrate creates the marker table and the ledger schema, retrying with
 // backoff while the database restarts or fails over (see Retry).
 func Migrate(ctx context.Context, d *dedupactivity.Deduper, pool *pgxpool.Pool) error {
