@@ -110,7 +110,8 @@ func pruneWorkflow(ctx workflow.Context, activityName string) (PruneResult, erro
 // with the given ID that runs pruneWorkflow for d every interval on
 // taskQueue (where RegisterPruner registered it). Overlapping runs are
 // skipped. It is idempotent and safe to call from every worker at start;
-// when the Schedule exists with another interval, it is given this one.
+// when the Schedule exists with another interval, task queue or pruner,
+// it is given these; its other settings stay.
 func EnsurePruneSchedule(ctx context.Context, c client.Client, d *Deduper, scheduleID, taskQueue string, interval time.Duration) error {
 	if interval < time.Minute {
 		return fmt.Errorf("%w: prune interval must be at least 1m, got %s", ErrInvalidOptions, interval)

@@ -104,7 +104,8 @@ func withSweepOptions(ctx workflow.Context) workflow.Context {
 // given ID that runs the relay workflow for r every interval on taskQueue (where
 // RegisterRelay registered it). Overlapping runs are skipped. It is
 // idempotent and safe to call from every worker at start; when the Schedule
-// exists with another interval, it is given this one.
+// exists with another interval, task queue or relay, it is given these;
+// its other settings stay.
 func EnsureRelaySchedule(ctx context.Context, c client.Client, r *Relay, scheduleID, taskQueue string, interval time.Duration) error {
 	return ensureSchedule(ctx, c, scheduleID, taskQueue, interval, relayWorkflowName, r.relayActivityName())
 }

@@ -57,7 +57,8 @@ FROM generate_series(1, 2500) g`)
 // TestScheduleIntervalFollowsTheLastStart: a Schedule made at an earlier
 // start is given the interval a later start asks for (PRUNE_INTERVAL
 // changed), its action kept; asking again for the same interval updates
-// nothing. The outbox's Schedules go through the same code.
+// nothing; a start on another task queue moves the action there. The
+// outbox's Schedules go through the same code.
 func TestScheduleIntervalFollowsTheLastStart(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
@@ -85,7 +86,18 @@ func TestScheduleIntervalFollowsTheLastStart(t *testing.T) {
 	require.Equal(t, first.Schedule.Policy.Overlap, changed.Schedule.Policy.Overlap, "the policies kept")
 
 	require.NoError(t, dedupactivity.EnsurePruneSchedule(ctx, b.client, b.worker.Deduper, id, b.taskQueue, 2*time.Hour))
-	require.Equal(t, changed.Info.LastUpdateAt, describe().Info.LastUpdateAt, "the same interval: not updated")
+	require.Equal(t, changed.Info.LastUpdateAt, describe().Info.LastUpdateAt, "the same interval and action: not updated")
+
+	// A start on another task queue (TASK_QUEUE changed, the Schedule's ID
+	// kept) moves the action there: left on the old one, it would start
+	// workflows no worker runs.
+	require.NoError(t, dedupactivity.EnsurePruneSchedule(ctx, b.client, b.worker.Deduper, id, b.taskQueue+"-moved", 2*time.Hour))
+	moved := describe().Schedule.Action.(*client.ScheduleWorkflowAction)
+	require.Equal(t, b.taskQueue+"-moved", moved.TaskQueue)
+	require.Equal(t, action.Workflow, moved.Workflow)
+	require.Equal(t, action.Args, moved.Args, "the same arguments")
+	require.NoError(t, dedupactivity.EnsurePruneSchedule(ctx, b.client, b.worker.Deduper, id, b.taskQueue, 2*time.Hour))
+	require.Equal(t, b.taskQueue, describe().Schedule.Action.(*client.ScheduleWorkflowAction).TaskQueue, "and back")
 
 	// The updated Schedule still runs the pruner: its arguments survived.
 	require.NoError(t, h.Trigger(ctx, clientTrigger()))
