@@ -322,6 +322,41 @@ func TestMessageThatStopsEveryRelayGoesDead(t *testing.T) {
 	require.Equal(t, int64(2), poisonSends.Load(), "still not sent a third time")
 }
 
+// TestLeaseTakenBeforeTheSendBegins: a message of a batch whose lease
+// another relay took over (its lease ran out while the first relay sent the
+// one before it) is not sent by the first relay: it is LeaseLost there, and
+// the one that took it sends it, once, its try given back.
+func TestLeaseTakenBeforeTheSendBegins(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	dest := newDestination(t, nil)
+	keys := b.placeN(t, 2)
+	ctx := context.Background()
+	deliver := httpSender(t, dest.URL)
+	var other outbox.RelayResult
+	first := b.relay(t, dest, outbox.RelayConfig{Lease: time.Minute, BatchSize: 2, Sender: outbox.SenderFunc(func(ctx context.Context, d outbox.Delivery) error {
+		if d.Key == keys[0] {
+			// While this send runs, the second message's lease ends and
+			// another relay takes it and sends it.
+			_, err := b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET lease_until = now() - interval '1 second' WHERE idempotency_key = $1`, keys[1])
+			require.NoError(t, err)
+			second := b.relay(t, dest, outbox.RelayConfig{Lease: time.Minute})
+			other, err = second.RunOnce(ctx)
+			require.NoError(t, err)
+		}
+		return deliver.Send(ctx, d)
+	})})
+	res, err := first.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, outbox.RelayResult{Delivered: 1, LeaseLost: 1}, res)
+	require.Equal(t, outbox.RelayResult{Delivered: 1}, other)
+	for _, k := range keys {
+		require.Equal(t, 1, dest.count(k), "%s sent once", k)
+	}
+	require.Equal(t, 2, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'sent' AND tries = 1 AND stalls = 0 AND NOT in_send`),
+		"the lease taken over, under which no send began, is not charged")
+}
+
 // TestSlowClaimEndsThePass: when the claim itself takes most of the lease,
 // the batch is handed back unsent and the pass ends, instead of claiming
 // the same messages again at once, without end.
