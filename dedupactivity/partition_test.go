@@ -164,6 +164,54 @@ func TestMigrateRefusesTheOtherLayout(t *testing.T) {
 	require.NoError(t, err)
 }
 
+// TestPartitionDroppedWhileAPrunerWaitsToDetachIt: a pruner that read a
+// partition as expired, then waited for the table lock to detach it while
+// another transaction detached and dropped it, passes over it.
+func TestPartitionDroppedWhileAPrunerWaitsToDetachIt(t *testing.T) {
+	t.Parallel()
+	opts := dedupactivity.Options{PartitionInterval: 2 * time.Second, PartitionsAhead: 1, Retention: time.Minute}
+	b := setup(t, opts)
+	ctx := context.Background()
+	_, err := deliver(t, "Post", dedupactivity.Wrap(b.d, b.post), Transfer{Account: "a", Amount: 1})
+	require.NoError(t, err)
+	var part string
+	require.NoError(t, b.pool.QueryRow(ctx, `SELECT tableoid::regclass::text FROM dedup_marker`).Scan(&part))
+	require.Eventually(t, func() bool { // the marker's partition's range is over
+		return b.count(t, `SELECT count(*) FROM dedup_marker WHERE scheduled_at < now() - interval '2 seconds'`) == 1
+	}, 10*time.Second, 100*time.Millisecond)
+	_, err = b.pool.Exec(ctx, `UPDATE dedup_marker SET expires_at = now() - interval '1 second'`)
+	require.NoError(t, err)
+
+	// The table alone, not its partitions: the pruner reads the partition,
+	// then waits to detach it.
+	tx, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	_, err = tx.Exec(ctx, `LOCK TABLE ONLY dedup_marker IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+	type pruned struct {
+		n   int64
+		err error
+	}
+	done := make(chan pruned, 1)
+	go func() {
+		n, err := b.d.Prune(ctx)
+		done <- pruned{n, err}
+	}()
+	require.Eventually(t, func() bool {
+		return b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%DETACH PARTITION%' || $1 || '%'`, part) == 1
+	}, 5*time.Second, 5*time.Millisecond, "the pruner waits to detach the partition")
+	_, err = tx.Exec(ctx, `ALTER TABLE dedup_marker DETACH PARTITION `+part)
+	require.NoError(t, err)
+	_, err = tx.Exec(ctx, `DROP TABLE `+part)
+	require.NoError(t, err)
+	require.NoError(t, tx.Commit(ctx))
+	got := <-done
+	require.NoError(t, got.err, "the pruner passes over the partition dropped meanwhile")
+	require.Zero(t, got.n)
+	require.Zero(t, b.markers(t))
+}
+
 // TestTwoPrunersAtOnce: a pruner that finds a partition dropped by another
 // since it listed them passes over it, instead of failing with
 // ErrNotMigrated (the table it was to read is gone).
