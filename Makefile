@@ -71,13 +71,14 @@ $(JAEGER): tools/jaeger/go.mod
 jaeger: $(JAEGER) ## Build Jaeger v2 (trace backend for demo-traces and the tests) into bin/ if missing.
 
 # Each check looks where the code does (internal/pgtest, internal/obstest): the variable if set
-# (PG_BINDIR, PROMETHEUS_BIN, PGBOUNCER), else PATH, else Debian's install path.
+# (PG_BINDIR, PROMETHEUS_BIN, PGBOUNCER; CC, the C compiler cgo runs for -race), else PATH, else
+# Debian's install path.
 .PHONY: deps
 deps: ## Install the Debian packages the tests and demo run (postgresql prometheus pgbouncer gcc) if missing, or say the command.
 	@has_postgresql() { if [ -n "$${PG_BINDIR:-}" ]; then [ -x "$$PG_BINDIR/initdb" ]; else command -v initdb || compgen -G '/usr/lib/postgresql/*/bin/initdb'; fi; } >/dev/null; \
 	has_prometheus() { if [ -n "$${PROMETHEUS_BIN:-}" ]; then [ -x "$$PROMETHEUS_BIN" ]; else command -v prometheus; fi; } >/dev/null; \
 	has_pgbouncer()  { if [ -n "$${PGBOUNCER:-}" ]; then [ -x "$$PGBOUNCER" ]; else command -v pgbouncer || [ -x /usr/sbin/pgbouncer ]; fi; } >/dev/null; \
-	has_gcc()        { command -v gcc; } >/dev/null; \
+	has_gcc()        { command -v "$${CC:-gcc}"; } >/dev/null; \
 	missing() { for p in $(DEPS_PACKAGES); do has_$$p || echo -n "$$p "; done; }; \
 	m=$$(missing); \
 	if [ -n "$$m" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
@@ -87,7 +88,7 @@ deps: ## Install the Debian packages the tests and demo run (postgresql promethe
 		m=$$(missing); \
 	fi; \
 	if [ -n "$$m" ]; then \
-		echo "missing: $$m(PG_BINDIR, PROMETHEUS_BIN, PGBOUNCER, PATH, /usr/lib/postgresql/*/bin, /usr/sbin). Run:"; \
+		echo "missing: $$m(looked for through PG_BINDIR, PROMETHEUS_BIN, PGBOUNCER, CC, PATH, /usr/lib/postgresql/*/bin, /usr/sbin). Run:"; \
 		echo "  sudo apt-get install -y $$m"; \
 		exit 1; \
 	fi; \
