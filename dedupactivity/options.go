@@ -130,9 +130,12 @@ type Options struct {
 	// (shared by every attempt of one scheduled activity) in partitions of
 	// this width, made PartitionsAhead ahead by Migrate and Prune, and
 	// expired partitions are dropped instead of deleted row by row. Choose
-	// the layout when the table is created. Business keys, local activities
-	// and Do are refused in this layout (their deliveries do not share a
-	// ScheduledTime), as a non-retryable invalid-usage error.
+	// the layout when the table is created. Only run-scoped identities of
+	// regular and standalone activities fit it (other deliveries do not
+	// share a ScheduledTime): WithBusinessKey makes Wrap and Register panic
+	// and Do fail, ClaimTx fails, and a local activity's delivery, or Do's
+	// outside an activity, fails with a non-retryable invalid-usage error
+	// (ErrInvalidOptions).
 	//
 	// Defaults to 0: one plain table.
 	PartitionInterval time.Duration
@@ -160,8 +163,9 @@ type Options struct {
 	// client.Options (Tally, Prometheus, ...), labelled by the SDK with
 	// activity_type, namespace, task_queue and workflow_type. Names are
 	// dedup_attempts (counter), dedup_claim_duration and
-	// dedup_effect_duration (timers) and dedup_marker_pruned (counter),
-	// labelled dedup_outcome and, on errors, error_type. Calls of Do outside
+	// dedup_effect_duration (timers), labelled dedup_outcome and, on
+	// errors, error_type, and dedup_marker_pruned (counter), labelled
+	// dedup_table. Calls of Do outside
 	// an activity record through MeterProvider only. To record through the
 	// SDK's handler only, set MeterProvider to noop.NewMeterProvider().
 	//

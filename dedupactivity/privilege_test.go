@@ -14,7 +14,7 @@ import (
 )
 
 // TestLeastPrivilegeRole runs Migrate, claims, duplicates and pruning as a
-// role that holds only the grants the README lists for the marker table
+// role that holds only the grants design.md's Security lists for the marker table
 // (plus what the test's own effect needs), and shows it cannot create
 // tables: Migrate on an up-to-date table only reads the catalog.
 func TestLeastPrivilegeRole(t *testing.T) {
