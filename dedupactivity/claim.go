@@ -10,6 +10,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"runtime"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -104,9 +105,19 @@ func (d *Deduper) claim(ctx context.Context, m *marker, ride bool, fn applyFunc)
 		defer func() {
 			// A statement of the effect returned the failed claim's error
 			// (a duplicate, a claim timeout) and the effect panicked on it:
-			// the claim's outcome stands.
-			if tx.claimErr != nil {
+			// the claim's outcome stands. Or the effect called a zero
+			// LargeObjects, given when none could be made: the attempt
+			// fails with the reason.
+			if tx.claimErr != nil || tx.loErr != nil {
 				if r := recover(); r != nil {
+					if tx.claimErr == nil {
+						var rerr runtime.Error
+						if e, ok := r.(error); !ok || !errors.As(e, &rerr) {
+							panic(r) // the effect's own panic
+						}
+						err = fmt.Errorf("%w (a large-object call panicked on it: %v)", tx.loErr, r)
+						return
+					}
 					err = tx.claimErr
 				}
 			}

@@ -149,8 +149,10 @@ func (c *Claim[Out]) Stored() Out { return c.stored }
 
 // Complete records the effect's result in the marker, in the claim's
 // transaction; commit the transaction after it. It fails with ErrNotClaimed
-// on a duplicate or a second call, and with ErrTxEnded when the claim's
-// transaction is no longer the one running on tx.
+// on a duplicate or after a Complete that succeeded, and with ErrTxEnded
+// when the claim's transaction is no longer the one running on tx. One
+// that failed may be called again (it fails again once the transaction is
+// aborted).
 func (c *Claim[Out]) Complete(ctx context.Context, result Out) error {
 	if c.outcome != OutcomeClaimed || c.done {
 		return ErrNotClaimed
@@ -159,7 +161,6 @@ func (c *Claim[Out]) Complete(ctx context.Context, result Out) error {
 	if err != nil {
 		return err
 	}
-	c.done = true
 	c.m.result = b
 	batch := &pgx.Batch{}
 	c.d.store.queueComplete(batch, c.m, !c.d.opts.DiscardResults)
@@ -174,6 +175,7 @@ func (c *Claim[Out]) Complete(ctx context.Context, result Out) error {
 	case !found:
 		return fmt.Errorf("%w: the marker row was changed in the transaction", ErrTxEnded)
 	}
+	c.done = true // only now: one that failed (its context done before it was sent, say) may be called again
 	// The transaction is the claim's and still open, so its connection is
 	// this goroutine's (after Commit or Rollback a pool may have handed it
 	// to another, and the batch above failed).

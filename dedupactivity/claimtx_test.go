@@ -43,6 +43,11 @@ func TestClaimTx(t *testing.T) {
 			if !complete {
 				return nil
 			}
+			// A Complete that failed before it was sent (its context
+			// done) can be called again.
+			cancelled, cancel := context.WithCancel(ctx)
+			cancel()
+			require.ErrorIs(t, c.Complete(cancelled, out), context.Canceled)
 			if err := c.Complete(ctx, out); err != nil {
 				return err
 			}

@@ -53,6 +53,7 @@ type claimTx struct {
 	ride     bool          // the claim may ride with the first statement
 	riding   *trip         // the round trip the first statement rode in, while unread
 	rows     pgx.Rows      // the last Rows of Query, which the effect may leave open
+	loErr    error         // why LargeObjects gave a zero value (see refused)
 }
 
 // claimState is how far the claim has gone.
@@ -154,7 +155,9 @@ var (
 // rides says whether a statement with args can carry the claim: it is the
 // first, of a delivery that may ride, and its arguments are positional.
 func (t *claimTx) rides(args []any) bool {
-	return t.ride && t.state == stateNone && !t.closed.Load() && positional(args)
+	// closed first: a goroutine of the effect that kept the Tx may call
+	// after the attempt, while the claim writes state.
+	return !t.closed.Load() && t.ride && t.state == stateNone && positional(args)
 }
 
 // positional says whether args are bind parameters only, so that pgx sends
@@ -243,24 +246,41 @@ func (t *claimTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults 
 
 // LargeObjects returns large-object access in the claim transaction. Do not
 // keep it past the effect: unlike the Tx, it is not closed with the attempt.
-// If the claim finds the event applied, or fails, large-object calls fail
-// too (they panic on a zero LargeObjects; that panic is the claim's).
+//
+// pgx gives large objects only over a Tx of its own, which it makes by
+// sending a statement, so when none can be sent (the claim found the event
+// applied or failed, the effect's Rows are open) LargeObjects returns pgx's
+// zero LargeObjects, whose calls panic. During the attempt that panic ends
+// the effect and the attempt returns the reason (the claim's outcome, or
+// the refusal as an error); on a Tx kept past the attempt it is the
+// caller's.
 func (t *claimTx) LargeObjects() pgx.LargeObjects {
-	if err := t.ready(t.ctx, nil); err != nil {
+	if err := t.ready(t.ctx, nil); err != nil && !errors.Is(err, errAbortedBeforeMarker) {
+		// After a failed statement (errAbortedBeforeMarker) the empty
+		// statement below cannot end the transaction, which is aborted:
+		// the large-object calls fail there as any statement would.
+		t.refused(fmt.Errorf("dedupactivity: Tx.LargeObjects: %w", err))
 		return pgx.LargeObjects{}
 	}
 	if t.inner == nil {
-		// pgx gives large objects only through a Tx of its own, which it
-		// makes by sending a statement: an empty one, which does nothing,
-		// and which the server takes in a failed transaction too (the
-		// large-object calls then fail there, as any statement would).
+		// An empty statement does nothing, and the server takes it in a
+		// failed transaction too.
 		inner, err := t.conn.BeginTx(t.ctx, pgx.TxOptions{BeginQuery: ";"})
 		if err != nil {
+			t.refused(fmt.Errorf("dedupactivity: Tx.LargeObjects: %w", err))
 			return pgx.LargeObjects{}
 		}
 		t.inner = inner
 	}
 	return t.inner.LargeObjects()
+}
+
+// refused keeps why LargeObjects gave a zero value, during the attempt, for
+// the panic its calls then raise (see claim).
+func (t *claimTx) refused(err error) {
+	if !t.closed.Load() && t.claimErr == nil && t.loErr == nil {
+		t.loErr = err
+	}
 }
 
 // Prepare prepares a statement on the claim's connection.

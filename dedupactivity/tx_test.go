@@ -322,6 +322,27 @@ func TestSavepointsWork(t *testing.T) {
 	require.Equal(t, int64(1), b.markers(t))
 }
 
+// TestTxKeptByAGoroutine: a goroutine the effect started that uses the Tx
+// after the attempt ended gets pgx.ErrTxClosed, without a data race with
+// the claim, which sends its round trip after the Tx closed when the effect
+// sent no statement (make test runs -race).
+func TestTxKeptByAGoroutine(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	ctx := context.Background()
+	done := make(chan error, 1)
+	_, _, err := dedupactivity.Do(ctx, b.d, runScoped("kept-by-goroutine"), Transfer{}, func(ctx context.Context, tx pgx.Tx, in Transfer) (int, error) {
+		go func() {
+			time.Sleep(100 * time.Millisecond) // no synchronization with the attempt's end
+			_, err := tx.Exec(context.Background(), `SELECT $1::int`, 1)
+			done <- err
+		}()
+		return 1, nil // no statement: the claim is sent once the Tx is closed
+	})
+	require.NoError(t, err)
+	require.ErrorIs(t, <-done, pgx.ErrTxClosed)
+}
+
 // TestTxDiesWithTheAttempt: a Tx (or savepoint) kept past the attempt
 // returns pgx.ErrTxClosed from every method and writes nothing, even when
 // its connection is back in the pool inside another event's transaction.

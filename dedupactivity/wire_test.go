@@ -551,27 +551,88 @@ func TestOtherExecModesPrepareNothing(t *testing.T) {
 
 // TestLargeObjectsAfterAFailedStatement: large objects asked for after a
 // statement of the effect failed fail as any statement would then
-// (SQLSTATE 25P02), without a panic, and nothing commits.
+// (SQLSTATE 25P02), without a panic, and nothing commits: when the claim
+// went first, and when it rode as a look (the marker's key not in yet).
 func TestLargeObjectsAfterAFailedStatement(t *testing.T) {
 	t.Parallel()
 	b := setup(t, dedupactivity.Options{})
 	ctx := context.Background()
-	key := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "lo"}
-	var loErr error
-	_, outcome, err := dedupactivity.Do(ctx, b.d, key, Transfer{}, func(ctx context.Context, tx pgx.Tx, in Transfer) (int, error) {
-		if _, err := tx.Exec(ctx, `INSERT INTO ledger (account, amount) VALUES ($1, $2)`, "a", 1); err != nil {
-			return 0, err
-		}
-		_, _ = tx.Exec(ctx, `SELECT 1/0`) // failed, and ignored
-		lo := tx.LargeObjects()
-		_, loErr = lo.Create(ctx, 0)
-		return 0, loErr
+	for name, id := range map[string]dedupactivity.Identity{
+		"ClaimFirst": {Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "lo"},
+		"Riding":     runScoped("lo"),
+	} {
+		t.Run(name, func(t *testing.T) {
+			var loErr error
+			_, outcome, err := dedupactivity.Do(ctx, b.d, id, Transfer{}, func(ctx context.Context, tx pgx.Tx, in Transfer) (int, error) {
+				if _, err := tx.Exec(ctx, `INSERT INTO ledger (account, amount) VALUES ($1, $2)`, "a", 1); err != nil {
+					return 0, err
+				}
+				_, _ = tx.Exec(ctx, `SELECT 1/$1::int`, 0) // failed, and ignored
+				lo := tx.LargeObjects()
+				_, loErr = lo.Create(ctx, 0)
+				return 0, loErr
+			})
+			require.Equal(t, "25P02", sqlStateOf(loErr), "%v", loErr)
+			require.ErrorIs(t, err, loErr)
+			require.Equal(t, dedupactivity.OutcomeEffectError, outcome)
+			require.Zero(t, b.ledgerRows(t))
+			require.Zero(t, b.markers(t))
+		})
+	}
+}
+
+// TestLargeObjectsRefused: large objects asked for while the effect's Rows
+// are open (the connection is busy, as pgx says of any call then) cannot
+// be given: pgx makes them only over a Tx of its own, which needs a
+// statement. Their first call ends the effect, and the attempt fails with
+// that refusal, not with pgx's nil dereference; nothing commits. A Tx kept
+// past the attempt gives none either: a large-object call on it panics
+// (pgx has no LargeObjects that returns pgx.ErrTxClosed), which the test
+// pins so that a change shows.
+func TestLargeObjectsRefused(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	ctx := context.Background()
+	for name, id := range map[string]dedupactivity.Identity{
+		"ClaimFirst": {Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "lo-busy"},
+		"Riding":     runScoped("lo-busy"),
+	} {
+		t.Run(name, func(t *testing.T) {
+			returned := false
+			_, outcome, err := dedupactivity.Do(ctx, b.d, id, Transfer{}, func(ctx context.Context, tx pgx.Tx, in Transfer) (int, error) {
+				if _, err := tx.Exec(ctx, `INSERT INTO ledger (account, amount) VALUES ($1, $2)`, "a", 1); err != nil {
+					return 0, err
+				}
+				rows, err := tx.Query(ctx, `SELECT generate_series(1, $1::int)`, 3)
+				if err != nil {
+					return 0, err
+				}
+				defer rows.Close()
+				lo := tx.LargeObjects()
+				_, err = lo.Create(ctx, 0)
+				returned = true
+				return 0, err
+			})
+			require.False(t, returned, "the large-object call ended the effect")
+			require.ErrorContains(t, err, "conn busy")
+			require.ErrorContains(t, err, "LargeObjects")
+			require.Equal(t, dedupactivity.OutcomeError, outcome)
+			require.Zero(t, b.ledgerRows(t))
+			require.Zero(t, b.markers(t))
+		})
+	}
+
+	var kept pgx.Tx
+	_, _, err := dedupactivity.Do(ctx, b.d, runScoped("lo-kept"), Transfer{}, func(ctx context.Context, tx pgx.Tx, in Transfer) (int, error) {
+		kept = tx
+		_, err := tx.Exec(ctx, `INSERT INTO ledger (account, amount) VALUES ($1, $2)`, "a", 1)
+		return 0, err
 	})
-	require.Equal(t, "25P02", sqlStateOf(loErr), "%v", loErr)
-	require.ErrorIs(t, err, loErr)
-	require.Equal(t, dedupactivity.OutcomeEffectError, outcome)
-	require.Zero(t, b.ledgerRows(t))
-	require.Zero(t, b.markers(t))
+	require.NoError(t, err)
+	require.Panics(t, func() {
+		lo := kept.LargeObjects()
+		_, _ = lo.Create(ctx, 0)
+	})
 }
 
 // TestClaimWaitWithGenericPlans: the claim's wait for a concurrent attempt
