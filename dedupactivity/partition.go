@@ -19,9 +19,11 @@ const partitionLockTimeout = 500 * time.Millisecond
 // ensurePartitions creates, in the partitioned layout, the partitions
 // covering the current interval and the next PartitionsAhead ones (those
 // that do not exist yet). A range whose rows already sit in the default
-// partition (maintenance fell behind) is left to the default partition. It
-// returns how many partitions it created; in the default layout it does
-// nothing.
+// partition (maintenance fell behind) is left to the default partition:
+// that is read first, without the table lock, since the CREATE would fail
+// on them (an ERROR in the server log at each Prune) after reading the
+// default partition while holding the lock claims wait for. It returns how
+// many partitions it created; in the default layout it does nothing.
 func (d *Deduper) ensurePartitions(ctx context.Context) (int, error) {
 	iv := d.opts.PartitionInterval
 	if iv <= 0 {
@@ -46,6 +48,13 @@ func (d *Deduper) ensurePartitions(ctx context.Context) (int, error) {
 		if have[name] {
 			continue
 		}
+		var behind bool
+		if err := d.pool.QueryRow(ctx, d.store.inDefault, lo, lo.Add(iv)).Scan(&behind); err != nil {
+			return created, fmt.Errorf("dedupactivity: read the default partition: %w", interpretError(err, false))
+		}
+		if behind {
+			continue
+		}
 		sql := d.store.createPartition(d.qualify(name), lo, lo.Add(iv))
 		err := d.maintain(ctx, func(tx pgx.Tx) error {
 			_, err := tx.Exec(ctx, sql)
@@ -55,7 +64,7 @@ func (d *Deduper) ensurePartitions(ctx context.Context) (int, error) {
 		case err == nil:
 			created++
 		case state == stateDuplicateTable: // another worker made it
-		case state == stateCheckViolation: // rows in the default partition: leave the range there
+		case state == stateCheckViolation: // rows came to the default partition since it was read: leave the range there
 		case state == stateLockNotAvailable: // next run
 		case state == stateInvalidObjectDefinition:
 			return created, fmt.Errorf("%w: partition %s would overlap an existing one: the table's partitions were made with another PartitionInterval; give Options the table's: %w", ErrInvalidOptions, name, err)

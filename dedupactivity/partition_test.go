@@ -2,6 +2,7 @@ package dedupactivity_test
 
 import (
 	"context"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -162,6 +163,46 @@ func TestMigrateRefusesTheOtherLayout(t *testing.T) {
 	require.NoError(t, same.Migrate(ctx), "the table's own interval, read in another DateStyle and TimeZone")
 	_, err = same.Prune(ctx)
 	require.NoError(t, err)
+}
+
+// TestRangeLeftInTheDefaultPartition: when maintenance fell behind and
+// markers of a range went to the default partition, Prune leaves the range
+// there without trying to create its partition (which fails on those rows,
+// after reading the default partition under the table lock): no statement
+// fails. The ranges ahead are still made.
+func TestRangeLeftInTheDefaultPartition(t *testing.T) {
+	t.Parallel()
+	opts := dedupactivity.Options{PartitionInterval: 24 * time.Hour, PartitionsAhead: 1}
+	b := setup(t, opts)
+	ctx := context.Background()
+	today := "dedup_marker_p" + strconv.FormatInt(time.Now().Truncate(24*time.Hour).Unix(), 10)
+	_, err := b.pool.Exec(ctx, `ALTER TABLE dedup_marker DETACH PARTITION `+today+`; DROP TABLE `+today)
+	require.NoError(t, err)
+	_, err = deliver(t, "Post", dedupactivity.Wrap(b.d, b.post), Transfer{Account: "a", Amount: 1})
+	require.NoError(t, err)
+	inDefault := func() int64 {
+		return b.count(t, `SELECT count(*) FROM dedup_marker WHERE tableoid = 'dedup_marker_default'::regclass`)
+	}
+	require.Equal(t, int64(1), inDefault(), "the marker went to the default partition")
+
+	cfg, err := pgxpool.ParseConfig(b.schema.URL)
+	require.NoError(t, err)
+	tracer := &sqlTracer{}
+	cfg.ConnConfig.Tracer = tracer
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	defer pool.Close()
+	d, err := dedupactivity.New(pool, opts)
+	require.NoError(t, err)
+	_, err = d.Prune(ctx)
+	require.NoError(t, err)
+	tracer.mu.Lock()
+	require.Empty(t, tracer.errors, "no statement failed")
+	tracer.mu.Unlock()
+	require.Zero(t, b.count(t, `SELECT count(*) FROM pg_class WHERE relname = $1 AND relnamespace = current_schema()::regnamespace`, today), "the range stays in the default partition")
+	require.Equal(t, int64(1), inDefault())
+	tomorrow := "dedup_marker_p" + strconv.FormatInt(time.Now().Truncate(24*time.Hour).Add(24*time.Hour).Unix(), 10)
+	require.Equal(t, int64(1), b.count(t, `SELECT count(*) FROM pg_class WHERE relname = $1 AND relnamespace = current_schema()::regnamespace`, tomorrow), "the range ahead is made")
 }
 
 // TestPartitionDroppedWhileAPrunerWaitsToDetachIt: a pruner that read a

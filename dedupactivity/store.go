@@ -103,6 +103,9 @@ type store struct {
 	// oldest is the age in seconds of the marker that expires first, read
 	// through the expiry index.
 	oldest string
+	// inDefault says whether the default partition holds a marker of the
+	// range [$1, $2) (partitioned layout).
+	inDefault string
 	// prune deletes up to $1 expired markers, found by their ctid (in the
 	// partitioned layout id_hash alone is not unique), skipping rows locked
 	// by a concurrent pruner.
@@ -154,12 +157,13 @@ WHERE set_config('lock_timeout', $7, true) IS NOT NULL AND CASE WHEN `+self+` = 
 		// bytea read as hex text: pgx decodes bytea text only in the hex
 		// output format, and ClaimTx's statements on a connection of pgx's
 		// simple protocol read text whatever bytea_output says.
-		read:   newStmt(`SELECT encode(fingerprint, 'hex'), encode(result, 'hex'), attempt, xmin::text FROM `+table+` WHERE id_hash = $1`+keyCond, key...),
-		look:   newStmt(`SELECT EXISTS (SELECT FROM `+table+` WHERE id_hash = $1`+keyCond+`), current_setting('transaction_read_only') = 'on', `+self, key...),
-		self:   newStmt(`SELECT ` + self),
-		exists: `SELECT EXISTS (SELECT 1 FROM ` + table + ` WHERE id_hash = $1)`,
-		result: `SELECT encode(result, 'hex') FROM ` + table + ` WHERE id_hash = $1 LIMIT 1`,
-		oldest: `SELECT extract(epoch FROM now() - claimed_at)::float8 FROM ` + table + ` ORDER BY expires_at LIMIT 1`,
+		read:      newStmt(`SELECT encode(fingerprint, 'hex'), encode(result, 'hex'), attempt, xmin::text FROM `+table+` WHERE id_hash = $1`+keyCond, key...),
+		look:      newStmt(`SELECT EXISTS (SELECT FROM `+table+` WHERE id_hash = $1`+keyCond+`), current_setting('transaction_read_only') = 'on', `+self, key...),
+		self:      newStmt(`SELECT ` + self),
+		exists:    `SELECT EXISTS (SELECT 1 FROM ` + table + ` WHERE id_hash = $1)`,
+		result:    `SELECT encode(result, 'hex') FROM ` + table + ` WHERE id_hash = $1 LIMIT 1`,
+		oldest:    `SELECT extract(epoch FROM now() - claimed_at)::float8 FROM ` + table + ` ORDER BY expires_at LIMIT 1`,
+		inDefault: `SELECT EXISTS (SELECT 1 FROM ` + defaultPartition + ` WHERE scheduled_at >= $1 AND scheduled_at < $2)`,
 		prune: `DELETE FROM ` + pruned + ` WHERE ctid = ANY (ARRAY(
 	SELECT ctid FROM ` + pruned + ` WHERE expires_at < now()
 	LIMIT $1 FOR UPDATE SKIP LOCKED))`,
