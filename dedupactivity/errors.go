@@ -40,7 +40,7 @@ var (
 	ErrEncoding = errors.New("dedupactivity: payload encoding failed")
 
 	// ErrNotMigrated is returned when the marker table or its function does
-	// not exist: run Deduper.Migrate (or apply the files in migrations/)
+	// not exist, or the table lacks a column: run Deduper.Migrate (or apply the files in migrations/)
 	// first, also after upgrading this package. It stays retryable at the
 	// activity edge: the attempt succeeds once the table is there.
 	ErrNotMigrated = errors.New("dedupactivity: marker table or function missing (run Migrate)")

@@ -76,7 +76,9 @@ const migrateLockKey int64 = 0x6465_6475_705f_6d69 // "dedup_mi"
 //   - A version recorded by a newer release of this package fails with
 //     ErrSchemaTooNew.
 //   - A table of the other layout (partitioned, or not, against
-//     Options.PartitionInterval) fails with ErrInvalidOptions.
+//     Options.PartitionInterval) fails with ErrInvalidOptions, and so does
+//     a table of that name that lacks a marker table's columns (made by
+//     something else), naming them.
 func (d *Deduper) Migrate(ctx context.Context) error {
 	migs, err := readMigrations(d.opts.PartitionInterval > 0)
 	if err != nil {
@@ -104,6 +106,12 @@ func (d *Deduper) Migrate(ctx context.Context) error {
 	if recorded != nil && *recorded > latest {
 		return fmt.Errorf("%w: %s records version %d, this package knows up to %d (a newer release made it, or an unreleased build from before the migrations were folded into one: drop and re-create such a table)", ErrSchemaTooNew, versionTable, *recorded, latest)
 	}
+	if partitioned != nil && columns < len(markerColumns) {
+		// Only one migration makes the table, so one that exists without
+		// its columns was made by something else: the files (CREATE TABLE
+		// IF NOT EXISTS) would leave it as it is, and every claim would fail.
+		return d.notAMarkerTable(ctx)
+	}
 	if columns < len(markerColumns) || !hasFunc {
 		if err := d.applyMigrations(ctx, migs, versionTable); err != nil {
 			return err
@@ -118,6 +126,16 @@ func (d *Deduper) Migrate(ctx context.Context) error {
 		}
 	}
 	return nil
+}
+
+// notAMarkerTable is the error of Migrate on a table of the marker table's
+// name that lacks some of its columns.
+func (d *Deduper) notAMarkerTable(ctx context.Context) error {
+	var missing []string
+	if err := d.pool.QueryRow(ctx, missingColumnsSQL, d.store.table, markerColumns).Scan(&missing); err != nil {
+		return fmt.Errorf("dedupactivity: migrate: read catalog: %w", err)
+	}
+	return fmt.Errorf("%w: the table %s exists without the column(s) %s of a marker table: it was not made by dedupactivity (or by a build from before its migrations were folded into one); give Options another Table (or Schema), or drop it", ErrInvalidOptions, d.store.table, strings.Join(missing, ", "))
 }
 
 // functions are the marker table's functions, as regprocedure text.

@@ -160,6 +160,42 @@ func TestMigrationFilesMeetMigrate(t *testing.T) {
 }
 
 // TestMigrateRefusesNewerVersion: a version recorded by a newer release of
+// TestMigrateRefusesAForeignTable: a table of the marker table's name that
+// dedupactivity did not make (an older hand-written recipe's) is refused by
+// Migrate, naming the columns it lacks, instead of being taken as migrated
+// (the files' CREATE TABLE IF NOT EXISTS leaves it as it is) so that every
+// claim fails; and a claim against it is ErrNotMigrated.
+func TestMigrateRefusesAForeignTable(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	for name, ddl := range map[string]string{
+		"SomeColumns": `CREATE TABLE dedup_marker (identity_hash bytea PRIMARY KEY, result bytea, expires_at timestamptz)`,
+		"NoneOfThem":  `CREATE TABLE dedup_marker (id text PRIMARY KEY, created timestamptz)`,
+	} {
+		t.Run(name, func(t *testing.T) {
+			s := pgtest.NewSchema(t)
+			_, err := s.Pool.Exec(ctx, ddl)
+			require.NoError(t, err)
+			d, err := dedupactivity.New(s.Pool, dedupactivity.Options{})
+			require.NoError(t, err)
+			err = d.Migrate(ctx)
+			require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions)
+			require.ErrorContains(t, err, "activity_type, attempt, claimed_at")
+			require.ErrorContains(t, err, "give Options another Table")
+			var versions int
+			require.NoError(t, s.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_class WHERE relname = 'dedup_marker_migration' AND relnamespace = current_schema()::regnamespace`).Scan(&versions))
+			require.Zero(t, versions, "nothing recorded")
+
+			fn := dedupactivity.Wrap(d, func(ctx context.Context, tx pgx.Tx, in int) (int, error) {
+				_, err := tx.Exec(ctx, `SELECT $1::int`, in)
+				return in, err
+			})
+			_, err = deliver(t, "Post", fn, 1)
+			require.ErrorIs(t, err, dedupactivity.ErrNotMigrated)
+		})
+	}
+}
+
 // the package is refused, naming the versions.
 func TestMigrateRefusesNewerVersion(t *testing.T) {
 	t.Parallel()

@@ -23,6 +23,7 @@ import (
 const (
 	stateUndefinedTable   = "42P01"
 	stateUndefinedFunc    = "42883" // only this package's functions can be missing in its statements
+	stateUndefinedColumn  = "42703"
 	stateLockNotAvailable = "55P03" // lock_timeout expired
 	stateQueryCanceled    = "57014" // statement_timeout (or a cancel request)
 	stateReadOnlySQLTx    = "25006" // default_transaction_read_only, or a standby
@@ -183,6 +184,9 @@ const (
 	(SELECT coalesce(has_table_privilege(to_regclass($3), 'SELECT'), false)),
 	(SELECT bool_and(to_regprocedure(f) IS NOT NULL) FROM unnest($4::text[]) AS f),
 	(SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($1))`
+	// missingColumnsSQL lists which of the columns $2 the table $1 lacks.
+	missingColumnsSQL = `SELECT coalesce(array_agg(c ORDER BY c), '{}') FROM unnest($2::text[]) AS c
+	WHERE NOT EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = c AND NOT attisdropped)`
 	advisoryXactLockSQL = `SELECT pg_advisory_xact_lock($1)`
 	// currentXactSQL is the transaction's ID, or NULL if it has written
 	// nothing.
@@ -514,7 +518,9 @@ func readComplete(br pgx.BatchResults) (bool, error) {
 // wait ran into statement_timeout.
 func interpretError(err error, inClaim bool) error {
 	switch state := sqlState(err); {
-	case state == stateUndefinedTable, state == stateUndefinedFunc:
+	case state == stateUndefinedTable, state == stateUndefinedFunc, state == stateUndefinedColumn:
+		// A marker statement's column missing: a table of that name that
+		// Migrate did not make (it refuses such a table).
 		return fmt.Errorf("%w: %w", ErrNotMigrated, err)
 	case state == stateLockNotAvailable && inClaim:
 		return fmt.Errorf("%w: %w", ErrClaimTimeout, err)
