@@ -502,6 +502,15 @@ func (d *Deduper) judge(m *marker, st stored, found bool, err error, a attempt) 
 		return a, errors.New("dedupactivity: marker vanished after the claim found it, retry")
 	}
 	a.storedAttempt = st.attempt
+	if m.fingerprint == nil && m.activityType != "" && st.activityType != "" && m.activityType != st.activityType {
+		// A run-scoped identity names one scheduled activity, of one type:
+		// another type's marker is another event that shares its IDs (each
+		// of Temporal's test environments has the same workflow, run and
+		// first activity IDs; an ActivityID a workflow reused), whatever the
+		// mismatch policy, whose stored result is of another type.
+		a.outcome = OutcomePayloadMismatch
+		return a, fmt.Errorf("%w: the identity's event was applied by activity type %q (attempt %d), this delivery is of %q: two activities share a workflow run and activity ID (in tests, give each its own Table or Schema, as every test environment has the same IDs)", ErrPayloadMismatch, st.activityType, st.attempt, m.activityType)
+	}
 	if m.fingerprint != nil && st.fingerprint != nil && !bytes.Equal(m.fingerprint, st.fingerprint) {
 		a.outcome = OutcomePayloadMismatch
 		if d.opts.MismatchPolicy == MismatchReject {

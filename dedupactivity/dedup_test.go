@@ -42,6 +42,35 @@ func TestDuplicateReturnsStoredResult(t *testing.T) {
 	require.Equal(t, int64(1), b.markers(t))
 }
 
+// TestAnotherActivityTypeIsNotADuplicate: a delivery of another activity
+// type under the same run-scoped identity (two activities with one workflow
+// run and activity ID: every test environment has the same IDs) is not
+// given the first's stored result, of another type: it fails with
+// ErrPayloadMismatch, whatever the mismatch policy, and applies nothing.
+func TestAnotherActivityTypeIsNotADuplicate(t *testing.T) {
+	t.Parallel()
+	for _, policy := range []dedupactivity.MismatchPolicy{dedupactivity.MismatchReject, dedupactivity.MismatchReturnStored} {
+		t.Run(policy.String(), func(t *testing.T) {
+			b := setup(t, dedupactivity.Options{MismatchPolicy: policy})
+			fn := dedupactivity.Wrap(b.d, b.post)
+			in := Transfer{Account: "a", Amount: 10}
+			_, err := deliver(t, "Post", fn, in)
+			require.NoError(t, err)
+
+			_, err = deliver(t, "Refund", fn, in)
+			require.ErrorIs(t, err, dedupactivity.ErrPayloadMismatch)
+			require.ErrorContains(t, err, `applied by activity type "Post"`)
+			require.ErrorContains(t, err, `this delivery is of "Refund"`)
+			require.True(t, appErr(t, err).NonRetryable())
+			require.Equal(t, int64(1), b.ledgerRows(t))
+			require.Equal(t, int64(1), b.markers(t))
+
+			_, err = deliver(t, "Post", fn, in)
+			require.NoError(t, err, "the same type is a duplicate")
+		})
+	}
+}
+
 func TestMarkerAndEffectInOneTransaction(t *testing.T) {
 	t.Parallel()
 	b := setup(t, dedupactivity.Options{})

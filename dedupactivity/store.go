@@ -158,7 +158,7 @@ WHERE set_config('lock_timeout', $7, true) IS NOT NULL AND CASE WHEN `+self+` = 
 		// bytea read as hex text: pgx decodes bytea text only in the hex
 		// output format, and ClaimTx's statements on a connection of pgx's
 		// simple protocol read text whatever bytea_output says.
-		read:      newStmt(`SELECT encode(fingerprint, 'hex'), encode(result, 'hex'), attempt, xmin::text FROM `+table+` WHERE id_hash = $1`+keyCond, key...),
+		read:      newStmt(`SELECT encode(fingerprint, 'hex'), encode(result, 'hex'), attempt, xmin::text, activity_type FROM `+table+` WHERE id_hash = $1`+keyCond, key...),
 		look:      newStmt(`SELECT EXISTS (SELECT FROM `+table+` WHERE id_hash = $1`+keyCond+`), current_setting('transaction_read_only') = 'on', `+self, key...),
 		self:      newStmt(`SELECT ` + self),
 		exists:    `SELECT EXISTS (SELECT 1 FROM ` + table + ` WHERE id_hash = $1)`,
@@ -370,10 +370,11 @@ func completed(t *trip) (bool, error) {
 
 // stored is a committed marker, as a duplicate delivery reads it.
 type stored struct {
-	fingerprint []byte
-	result      []byte
-	attempt     int32
-	xmin        string // the transaction that inserted it
+	fingerprint  []byte
+	result       []byte
+	attempt      int32
+	xmin         string // the transaction that inserted it
+	activityType string
 }
 
 // addRead queues the read of m's committed marker; readStored reads it.
@@ -387,7 +388,7 @@ func readStored(t *trip) (st stored, found bool, err error) {
 	found, err = t.row(func(cols [][]byte) error {
 		attempt, err := colUint32(cols[2])
 		if err == nil {
-			st, err = storedFrom(cols[0], cols[1], int32(attempt), string(cols[3]))
+			st, err = storedFrom(cols[0], cols[1], int32(attempt), string(cols[3]), string(cols[4]))
 		}
 		return err
 	})
@@ -396,8 +397,8 @@ func readStored(t *trip) (st stored, found bool, err error) {
 
 // storedFrom is a committed marker from its columns as read, fingerprint
 // and result in hex (nil: NULL).
-func storedFrom(fingerprint, result []byte, attempt int32, xmin string) (st stored, err error) {
-	st.attempt, st.xmin = attempt, xmin
+func storedFrom(fingerprint, result []byte, attempt int32, xmin, activityType string) (st stored, err error) {
+	st.attempt, st.xmin, st.activityType = attempt, xmin, activityType
 	if st.fingerprint, err = decodeHex(fingerprint); err != nil {
 		return st, err
 	}
@@ -478,8 +479,8 @@ func (s *store) queueRead(b *pgx.Batch, m *marker) { b.Queue(s.read.sql, m.sum[:
 func scanStored(br pgx.BatchResults) (st stored, found bool, err error) {
 	var fingerprint, result *string
 	var attempt int32
-	var xmin string
-	err = br.QueryRow().Scan(&fingerprint, &result, &attempt, &xmin)
+	var xmin, activityType string
+	err = br.QueryRow().Scan(&fingerprint, &result, &attempt, &xmin, &activityType)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return st, false, nil
 	}
@@ -492,7 +493,7 @@ func scanStored(br pgx.BatchResults) (st stored, found bool, err error) {
 		}
 		return []byte(*s)
 	}
-	st, err = storedFrom(bytesOf(fingerprint), bytesOf(result), attempt, xmin)
+	st, err = storedFrom(bytesOf(fingerprint), bytesOf(result), attempt, xmin, activityType)
 	return st, err == nil, err
 }
 
