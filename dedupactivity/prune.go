@@ -71,7 +71,7 @@ const (
 )
 
 // pruneActivityName is the name of d's prune activity.
-func (d *Deduper) pruneActivityName() string { return pruneActivityPrefix + d.store.table }
+func (d *Deduper) pruneActivityName() string { return pruneActivityPrefix + d.tel.table }
 
 // PruneResult is what one pruning run did.
 type PruneResult struct {

@@ -93,6 +93,7 @@ type Outbox struct {
 	pool  *pgxpool.Pool
 	opts  Options
 	table string // qualified and quoted
+	name  string // qualified, unquoted: the dedup.outbox.table label, in activity names
 }
 
 // New returns an Outbox on pool. opts is checked; an error names the field
@@ -108,10 +109,11 @@ func New(pool *pgxpool.Pool, opts Options) (*Outbox, error) {
 	if err := opts.validate(); err != nil {
 		return nil, err
 	}
-	ob := &Outbox{pool: pool, opts: opts}
+	ob := &Outbox{pool: pool, opts: opts, name: opts.Table}
 	ob.table = pgx.Identifier{opts.Table}.Sanitize()
 	if opts.Schema != "" {
 		ob.table = pgx.Identifier{opts.Schema, opts.Table}.Sanitize()
+		ob.name = opts.Schema + "." + opts.Table // tables of one name in two schemas: two series, two activities
 	}
 	if err := observeBacklog(opts.MeterProvider.Meter(ScopeName), ob); err != nil {
 		return nil, err

@@ -602,6 +602,7 @@ func TestTableLabelNamesTheSchema(t *testing.T) {
 		require.NoError(t, err)
 		require.NoError(t, ob.Migrate(ctx))
 		want = append(want, schema+".box")
+		require.Equal(t, "DedupOutboxPrune:"+schema+".box", outbox.PruneActivityName(ob), "the activity names carry the same name, unquoted")
 	}
 	var rm metricdata.ResourceMetrics
 	require.NoError(t, reader.Collect(ctx, &rm))

@@ -102,11 +102,7 @@ func observeBacklog(meter metric.Meter, ob *Outbox) error {
 	if err != nil {
 		return fmt.Errorf("outbox: create %s: %w", MetricMessages, err)
 	}
-	name := ob.opts.Table
-	if ob.opts.Schema != "" {
-		name = ob.opts.Schema + "." + name // tables of one name in two schemas: two series
-	}
-	table := TableKey.String(name)
+	table := TableKey.String(ob.name)
 	attrs := func(state State) metric.ObserveOption {
 		return metric.WithAttributes(table, StateKey.String(string(state)))
 	}

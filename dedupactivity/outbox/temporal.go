@@ -26,14 +26,14 @@ const (
 )
 
 // pruneActivityName is the name of ob's prune activity.
-func (ob *Outbox) pruneActivityName() string { return pruneWorkflowName + ":" + ob.table }
+func (ob *Outbox) pruneActivityName() string { return pruneWorkflowName + ":" + ob.name }
 
 // relayActivityName is the name of r's relay activity.
-func (r *Relay) relayActivityName() string { return relayWorkflowName + ":" + r.ob.table }
+func (r *Relay) relayActivityName() string { return relayWorkflowName + ":" + r.ob.name }
 
 // reconcileActivityName is the name of rc's reconcile activity.
 func (rc *Reconciler) reconcileActivityName() string {
-	return reconcileWorkflowName + ":" + rc.ob.table
+	return reconcileWorkflowName + ":" + rc.ob.name
 }
 
 // RegisterRelay registers the relay workflow and r's relay activity on a
