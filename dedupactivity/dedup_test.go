@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -273,6 +274,44 @@ func TestLostCompletion(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, Posting{EntryID: 1, Balance: 11}, p, "the retry returns the stored result")
 	require.Equal(t, int64(1), b.effects.Load())
+}
+
+// TestLostCompletionInTheWorkflowEnvironment: in the SDK's workflow test
+// environment a retry is attempt 2, which claims before the effect runs, as
+// after a real lost completion; in the activity test environment every
+// delivery is attempt 1, whose claim rides with the effect's first
+// statement (TestDuplicateWhoseClaimRode). The README's testing section
+// points here. The retry does not call the effect at all.
+func TestLostCompletionInTheWorkflowEnvironment(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	var calls atomic.Int64
+	wrapped := dedupactivity.Wrap(b.d, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+		calls.Add(1)
+		return b.post(ctx, tx, in)
+	})
+	var attempts []int32
+	driver := func(ctx context.Context, in Transfer) (Posting, error) {
+		attempt := activity.GetInfo(ctx).Attempt
+		attempts = append(attempts, attempt)
+		p, err := wrapped(ctx, in)
+		if attempt == 1 {
+			return Posting{}, errors.New("worker lost before completion") // the effect committed
+		}
+		return p, err
+	}
+	var s testsuite.WorkflowTestSuite
+	env := s.NewTestWorkflowEnvironment()
+	env.RegisterActivityWithOptions(driver, activity.RegisterOptions{Name: "Post"})
+	env.ExecuteWorkflow(postWorkflow, Transfer{Account: "a", Amount: 5})
+	require.True(t, env.IsWorkflowCompleted())
+	require.NoError(t, env.GetWorkflowError())
+	var p Posting
+	require.NoError(t, env.GetWorkflowResult(&p))
+	require.Equal(t, []int32{1, 2}, attempts)
+	require.Equal(t, Posting{EntryID: 1, Balance: 5}, p, "the retry returns the stored result")
+	require.Equal(t, int64(1), calls.Load(), "the retry claimed first: the effect was called once")
+	require.Equal(t, int64(1), b.ledgerRows(t))
 }
 
 func TestPayloadMismatch(t *testing.T) {

@@ -77,6 +77,19 @@
 //			return r, err
 //		})
 //
+// # Testing
+//
+// Every new testsuite.TestActivityEnvironment has the same workflow, run and
+// first activity IDs, so each delivers the same event again (one
+// environment gives each ExecuteActivity a new activity ID: a new event).
+// Tests that share a marker table see each other's events: give each its
+// own Options.Schema or Options.Table. Every delivery there is attempt 1,
+// whose claim rides with the effect's first statement (see Round trips): a
+// redelivery calls the effect, whose first statement returns an error. To
+// test a retry (attempt 2 on), which claims first and does not call the
+// effect, run the activity in a TestWorkflowEnvironment and fail attempt 1
+// after the wrapped function returned. Count effects with SQL.
+//
 // # Observability
 //
 // Every attempt gets a span named "Dedup:<activity type>" (a child of the

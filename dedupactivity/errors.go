@@ -4,7 +4,9 @@ import "errors"
 
 // Sentinel errors. Every error returned by this package that has one of these
 // causes matches it with errors.Is, also after it has been converted to a
-// Temporal ApplicationError at the activity edge.
+// Temporal ApplicationError at the activity edge, in the worker's process.
+// Past Temporal (the workflow, a client) errors.Is cannot match them: compare
+// the ApplicationError's Type() with the ErrType constants.
 var (
 	// ErrPayloadMismatch is returned when an event identity that was already
 	// claimed is delivered again with a different input and the Deduper's
