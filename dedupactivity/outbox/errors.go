@@ -11,6 +11,10 @@ var (
 
 	// ErrInvalidMessage is returned by Enqueue for a message it cannot
 	// store: no destination, a bad name, a payload that does not encode.
+	// Returned from an EffectFunc as it is, it reaches Temporal as the
+	// effect's own error, which Temporal retries; a message that can never
+	// be stored is better returned as
+	// temporal.NewNonRetryableApplicationError(err.Error(), "InvalidMessage", err).
 	ErrInvalidMessage = errors.New("outbox: invalid message")
 
 	// ErrNoEventKey is returned by Enqueue called outside an EffectFunc (no
