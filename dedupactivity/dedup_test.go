@@ -182,6 +182,7 @@ func TestClaimWaitIsBounded(t *testing.T) {
 	ae := appErr(t, err)
 	require.Equal(t, dedupactivity.ErrTypeClaimTimeout, ae.Type())
 	require.False(t, ae.NonRetryable(), "a claim timeout is retryable")
+	require.Equal(t, "55P03", sqlStateOf(err), "errors.As reaches the PostgreSQL error after the conversion")
 	require.Less(t, waited, 10*time.Second)
 
 	release()

@@ -4,13 +4,17 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
+	"go.temporal.io/sdk/activity"
 	"go.temporal.io/sdk/temporal"
+	"go.temporal.io/sdk/testsuite"
+	"go.temporal.io/sdk/workflow"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 )
@@ -43,6 +47,41 @@ func TestEffectCannotCommitOrRollBack(t *testing.T) {
 			require.Zero(t, b.ledgerRows(t))
 		})
 	}
+}
+
+// TestErrorsReadOnceInTheWorkflow: an error converted at the activity edge
+// reads once, in the worker and in the workflow (the SDK's failure
+// converter sends a cause per level of wrapping it can unwrap: each
+// repeated the message), and still matches its sentinel in the worker.
+func TestErrorsReadOnceInTheWorkflow(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	fn := dedupactivity.Wrap(b.d, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+		p, err := b.post(ctx, tx, in)
+		if err != nil {
+			return p, err
+		}
+		return p, tx.Commit(ctx)
+	})
+	const detail = "the effect called Tx.Commit"
+	_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
+	require.ErrorIs(t, err, dedupactivity.ErrTxOwned)
+	require.Equal(t, 1, strings.Count(err.Error(), detail), "%v", err)
+
+	var s testsuite.WorkflowTestSuite
+	env := s.NewTestWorkflowEnvironment()
+	env.RegisterActivityWithOptions(fn, activity.RegisterOptions{Name: "Post"})
+	env.ExecuteWorkflow(func(ctx workflow.Context, in Transfer) error {
+		ctx = workflow.WithActivityOptions(ctx, workflow.ActivityOptions{StartToCloseTimeout: time.Minute})
+		return workflow.ExecuteActivity(ctx, "Post", in).Get(ctx, nil)
+	}, Transfer{Account: "a", Amount: 1})
+	werr := env.GetWorkflowError()
+	require.Error(t, werr)
+	var ae *temporal.ApplicationError
+	require.ErrorAs(t, werr, &ae)
+	require.Equal(t, dedupactivity.ErrTypeInvalidUsage, ae.Type())
+	require.Equal(t, 1, strings.Count(werr.Error(), detail), "%v", werr)
+	require.Zero(t, b.ledgerRows(t))
 }
 
 // TestEffectEndingTheTransactionWithSQL: an effect that ends the claim

@@ -306,12 +306,30 @@ func toTemporal(err error) error {
 		return err
 	}
 	typ, nonRetryable, ok := classify(err)
-	switch {
-	case !ok || typ == errTypeNotMigrated || typ == errTypeReadOnly:
+	if !ok || typ == errTypeNotMigrated || typ == errTypeReadOnly {
 		return err // retryable as it is: a migration or a fail-over fixes it
-	case nonRetryable:
-		return temporal.NewNonRetryableApplicationError(err.Error(), typ, err)
-	default:
-		return temporal.NewApplicationErrorWithCause(err.Error(), typ, err)
 	}
+	cause := &sentinel{err: err}
+	for _, c := range errorClasses {
+		if errors.Is(err, c.sentinel) {
+			cause.is = c.sentinel
+			break
+		}
+	}
+	return temporal.NewApplicationErrorWithOptions(err.Error(), typ, temporal.ApplicationErrorOptions{NonRetryable: nonRetryable, Cause: cause})
 }
+
+// sentinel is the cause of the ApplicationError toTemporal makes: it reads
+// as err's sentinel, and answers errors.Is and errors.As for err's whole
+// chain in the worker's process. It has no Unwrap: the SDK's failure
+// converter follows Unwrap, and would send one cause per level of
+// wrapping, each repeating the message, to the workflow and the UI (where
+// this cause shows as of type "sentinel").
+type sentinel struct {
+	is  error
+	err error
+}
+
+func (c *sentinel) Error() string        { return c.is.Error() }
+func (c *sentinel) Is(target error) bool { return errors.Is(c.err, target) }
+func (c *sentinel) As(target any) bool   { return errors.As(c.err, target) }
