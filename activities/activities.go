@@ -97,8 +97,11 @@ const (
 // unknownAccount is the non-retryable error for account, which does not
 // exist.
 func unknownAccount(account string) error {
-	err := fmt.Errorf("%w %q", ErrUnknownAccount, account)
-	return temporal.NewNonRetryableApplicationError(err.Error(), UnknownAccountType, err)
+	// The sentinel as the one cause: errors.Is matches it in the worker,
+	// and the workflow reads the message once (a wrapped cause is sent as
+	// one failure per level of wrapping).
+	msg := fmt.Sprintf("%v %q", ErrUnknownAccount, account)
+	return temporal.NewNonRetryableApplicationError(msg, UnknownAccountType, ErrUnknownAccount)
 }
 
 // Activities holds the ledger's activities. Build it with New and register

@@ -11,6 +11,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -111,8 +112,7 @@ func (d *Deduper) claim(ctx context.Context, m *marker, ride bool, fn applyFunc)
 			if tx.claimErr != nil || tx.loErr != nil {
 				if r := recover(); r != nil {
 					if tx.claimErr == nil {
-						var rerr runtime.Error
-						if e, ok := r.(error); !ok || !errors.As(e, &rerr) {
+						if !panickedInLargeObjects() {
 							panic(r) // the effect's own panic
 						}
 						err = fmt.Errorf("%w (a large-object call panicked on it: %v)", tx.loErr, r)
@@ -179,6 +179,24 @@ func (d *Deduper) claim(ctx context.Context, m *marker, ride bool, fn applyFunc)
 	}
 	a.outcome, a.result = OutcomeClaimed, result
 	return a, nil
+}
+
+// panickedInLargeObjects says whether the panic being recovered (called in
+// the deferred function that recovers it, whose caller's frames are still on
+// the stack) was raised by a method of pgx's LargeObjects: the zero value
+// that claimTx.LargeObjects returns when it cannot make one.
+func panickedInLargeObjects() bool {
+	pcs := make([]uintptr, 64)
+	frames := runtime.CallersFrames(pcs[:runtime.Callers(2, pcs)])
+	for {
+		f, more := frames.Next()
+		if strings.HasPrefix(f.Function, "github.com/jackc/pgx/v5.(*LargeObjects).") {
+			return true
+		}
+		if !more {
+			return false
+		}
+	}
 }
 
 // errEndedUnmarked is the error of an effect that ended the transaction of
@@ -502,12 +520,15 @@ func (d *Deduper) judge(m *marker, st stored, found bool, err error, a attempt) 
 		return a, errors.New("dedupactivity: marker vanished after the claim found it, retry")
 	}
 	a.storedAttempt = st.attempt
-	if m.fingerprint == nil && m.activityType != "" && st.activityType != "" && m.activityType != st.activityType {
-		// A run-scoped identity names one scheduled activity, of one type:
-		// another type's marker is another event that shares its IDs (each
-		// of Temporal's test environments has the same workflow, run and
-		// first activity IDs; an ActivityID a workflow reused), whatever the
-		// mismatch policy, whose stored result is of another type.
+	if m.typeFixed && m.activityType != "" && st.activityType != "" && m.activityType != st.activityType {
+		// A regular or standalone activity's identity names one scheduled
+		// activity, whose type Temporal's history fixes: another type's
+		// marker is another event that shares its IDs (each of Temporal's
+		// test environments has the same workflow, run and first activity
+		// IDs; an ActivityID a workflow reused), whatever the mismatch
+		// policy, whose stored result is of another type. Not a local
+		// activity's: one run again after a deploy that renamed it is the
+		// same event.
 		a.outcome = OutcomePayloadMismatch
 		return a, fmt.Errorf("%w: the identity's event was applied by activity type %q (attempt %d), this delivery is of %q: two activities share a workflow run and activity ID (in tests, give each its own Table or Schema, as every test environment has the same IDs)", ErrPayloadMismatch, st.activityType, st.attempt, m.activityType)
 	}
@@ -536,7 +557,7 @@ func (d *Deduper) newMarker(info activity.Info, id Identity, retention time.Dura
 		return nil, err
 	}
 	m := &marker{sum: sha256Sum(enc), attempt: info.Attempt, activityType: validText(info.ActivityType.Name),
-		expiresAt: expiry(info, retention)}
+		typeFixed: id.Kind == KindActivity || id.Kind == KindStandalone, expiresAt: expiry(info, retention)}
 	if d.opts.DiscardResults {
 		m.result = []byte{} // empty, not NULL: a result that is not kept
 	}

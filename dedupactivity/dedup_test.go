@@ -70,6 +70,31 @@ func TestAnotherActivityTypeIsNotADuplicate(t *testing.T) {
 			require.NoError(t, err, "the same type is a duplicate")
 		})
 	}
+
+	// A local activity's type is not in the history until it completed:
+	// one run again after a deploy that renamed it is the same event.
+	b := setup(t, dedupactivity.Options{})
+	in := Transfer{Account: "a", Amount: 10}
+	local := func(name string) (Posting, error) {
+		var s testsuite.WorkflowTestSuite
+		env := s.NewTestActivityEnvironment()
+		named := func(ctx context.Context, in Transfer) (Posting, error) {
+			return dedupactivity.Wrap(b.d, b.post)(ctx, in)
+		}
+		env.RegisterActivityWithOptions(named, activity.RegisterOptions{Name: name})
+		val, err := env.ExecuteLocalActivity(named, in)
+		var p Posting
+		if err == nil {
+			require.NoError(t, val.Get(&p))
+		}
+		return p, err
+	}
+	first, err := local("PostLocal")
+	require.NoError(t, err)
+	renamed, err := local("PostLocalRenamed")
+	require.NoError(t, err)
+	require.Equal(t, first, renamed)
+	require.Equal(t, int64(1), b.ledgerRows(t))
 }
 
 func TestMarkerAndEffectInOneTransaction(t *testing.T) {

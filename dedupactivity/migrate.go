@@ -90,8 +90,15 @@ func (d *Deduper) Migrate(ctx context.Context) error {
 	var columns int
 	var hasFunc, hasVersions bool
 	var partitioned *bool // nil: no table yet
-	if err := d.pool.QueryRow(ctx, catalogSQL, d.store.table, markerColumns, versionTable, d.functions()).Scan(&columns, &hasVersions, &hasFunc, &partitioned); err != nil {
+	var inCurrentSchema *bool
+	if err := d.pool.QueryRow(ctx, catalogSQL, d.store.table, markerColumns, versionTable, d.functions()).Scan(&columns, &hasVersions, &hasFunc, &partitioned, &inCurrentSchema); err != nil {
 		return fmt.Errorf("dedupactivity: migrate: read catalog: %w", err)
+	}
+	if partitioned != nil && d.opts.Schema == "" && !*inCurrentSchema && columns < len(markerColumns) {
+		// The unqualified name found a table further down search_path that
+		// is not a marker table: the files make one in current_schema(),
+		// which the claims' statements then find first.
+		partitioned = nil
 	}
 	if partitioned != nil && *partitioned != (d.opts.PartitionInterval > 0) {
 		layout := map[bool]string{true: "the partitioned layout (PartitionInterval set)", false: "the default layout (PartitionInterval 0)"}

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	"go.temporal.io/sdk/activity"
 	"go.temporal.io/sdk/temporal"
@@ -159,7 +160,6 @@ func TestMigrationFilesMeetMigrate(t *testing.T) {
 	}
 }
 
-// TestMigrateRefusesNewerVersion: a version recorded by a newer release of
 // TestMigrateRefusesAForeignTable: a table of the marker table's name that
 // dedupactivity did not make (an older hand-written recipe's) is refused by
 // Migrate, naming the columns it lacks, instead of being taken as migrated
@@ -196,6 +196,7 @@ func TestMigrateRefusesAForeignTable(t *testing.T) {
 	}
 }
 
+// TestMigrateRefusesNewerVersion: a version recorded by a newer release of
 // the package is refused, naming the versions.
 func TestMigrateRefusesNewerVersion(t *testing.T) {
 	t.Parallel()
@@ -370,4 +371,33 @@ func TestReservedWordNames(t *testing.T) {
 		require.NoError(t, s.Pool.QueryRow(ctx, `SELECT count(*) FROM `+table.Sanitize()).Scan(&n))
 		require.Equal(t, 1, n, "%+v", opts)
 	}
+}
+
+// TestMigrateBesideAForeignTableLaterInSearchPath: without Options.Schema,
+// a table of the marker table's name further down search_path that is not a
+// marker table is left alone: Migrate makes the marker table in
+// current_schema(), where claims find it first.
+func TestMigrateBesideAForeignTableLaterInSearchPath(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	first, later := pgtest.NewSchema(t), pgtest.NewSchema(t)
+	_, err := later.Pool.Exec(ctx, `CREATE TABLE dedup_marker (id text PRIMARY KEY, created timestamptz)`)
+	require.NoError(t, err)
+	url, err := pgtest.WithSearchPath(pgtest.RequireServer(t).URL, first.Name+","+later.Name)
+	require.NoError(t, err)
+	pool, err := pgxpool.New(ctx, url)
+	require.NoError(t, err)
+	defer pool.Close()
+	d, err := dedupactivity.New(pool, dedupactivity.Options{})
+	require.NoError(t, err)
+	require.NoError(t, d.Migrate(ctx))
+	_, outcome, err := dedupactivity.Do(ctx, d, runScoped("sp"), Transfer{}, func(ctx context.Context, tx pgx.Tx, in Transfer) (int, error) {
+		_, err := tx.Exec(ctx, `SELECT $1::int`, 1)
+		return 1, err
+	})
+	require.NoError(t, err)
+	require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
+	var markers int
+	require.NoError(t, first.Pool.QueryRow(ctx, `SELECT count(*) FROM dedup_marker`).Scan(&markers))
+	require.Equal(t, 1, markers, "the marker table made in the first schema")
 }

@@ -40,7 +40,9 @@ const (
 	MismatchReject MismatchPolicy = iota
 	// MismatchReturnStored treats the delivery as a duplicate: it returns
 	// the first attempt's stored result. The span still records the outcome
-	// payload_mismatch.
+	// payload_mismatch. (A delivery by another activity type than the one
+	// that applied a run-scoped identity is ErrPayloadMismatch under either
+	// policy: its stored result is of another type.)
 	MismatchReturnStored
 )
 

@@ -177,13 +177,15 @@ WHERE set_config('lock_timeout', $7, true) IS NOT NULL AND CASE WHEN `+self+` = 
 const (
 	// catalogSQL counts which of the columns $2 the table $1 has, says
 	// whether the version table $3 exists and can be read, whether every
-	// function $4 exists, and whether $1 is a partitioned table (NULL when
-	// there is no table $1).
+	// function $4 exists, whether $1 is a partitioned table (NULL when
+	// there is no table $1), and whether it is in current_schema() (where
+	// the files create an unqualified table).
 	catalogSQL = `SELECT
 	(SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = ANY($2) AND NOT attisdropped),
 	(SELECT coalesce(has_table_privilege(to_regclass($3), 'SELECT'), false)),
 	(SELECT bool_and(to_regprocedure(f) IS NOT NULL) FROM unnest($4::text[]) AS f),
-	(SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($1))`
+	(SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($1)),
+	(SELECT coalesce(relnamespace = to_regnamespace(current_schema()), false) FROM pg_class WHERE oid = to_regclass($1))`
 	// missingColumnsSQL lists which of the columns $2 the table $1 lacks.
 	missingColumnsSQL = `SELECT coalesce(array_agg(c ORDER BY c), '{}') FROM unnest($2::text[]) AS c
 	WHERE NOT EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = c AND NOT attisdropped)`
@@ -259,6 +261,7 @@ type marker struct {
 	attempt      int32
 	expiresAt    time.Time
 	activityType string
+	typeFixed    bool   // a regular or standalone activity's identity: one scheduled activity, of one type
 	fingerprint  []byte // nil: not compared
 	result       []byte // nil, or empty when results are discarded
 	scheduledAt  time.Time

@@ -143,7 +143,7 @@ const (
 	OutcomeDuplicate Outcome = "duplicate"
 	// OutcomePayloadMismatch: the event was already applied with a different
 	// input (rejected, or returned the stored result under
-	// MismatchReturnStored).
+	// MismatchReturnStored), or by another activity type (rejected).
 	OutcomePayloadMismatch Outcome = "payload_mismatch"
 	// OutcomeEffectError: the effect returned an error (or panicked); all
 	// was rolled back.

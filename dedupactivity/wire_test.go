@@ -789,3 +789,26 @@ func lockTable(t *testing.T, b *testBundle, table string) pgx.Tx {
 	require.NoError(t, err)
 	return holder
 }
+
+// TestEffectPanicAfterALargeObjectsRefusal: an effect's own panic after
+// LargeObjects was refused (and its zero value never used) is the effect's,
+// not turned into the refusal (TestLargeObjectsRefused).
+func TestEffectPanicAfterALargeObjectsRefusal(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	ctx := context.Background()
+	var counts map[string]int // nil: the effect's own bug
+	require.PanicsWithError(t, "assignment to entry in nil map", func() {
+		_, _, _ = dedupactivity.Do(ctx, b.d, runScoped("lo-then-own-panic"), Transfer{}, func(ctx context.Context, tx pgx.Tx, in Transfer) (int, error) {
+			rows, err := tx.Query(ctx, `SELECT generate_series(1, $1::int)`, 3)
+			if err != nil {
+				return 0, err
+			}
+			_ = tx.LargeObjects() // refused: the rows are open; never used
+			rows.Close()
+			counts["x"]++
+			return 0, nil
+		})
+	})
+	require.Zero(t, b.markers(t))
+}

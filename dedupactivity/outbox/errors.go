@@ -14,7 +14,8 @@ var (
 	// Returned from an EffectFunc as it is, it reaches Temporal as the
 	// effect's own error, which Temporal retries; a message that can never
 	// be stored is better returned as
-	// temporal.NewNonRetryableApplicationError(err.Error(), "InvalidMessage", err).
+	// temporal.NewNonRetryableApplicationError(err.Error(), "InvalidMessage", nil)
+	// (a cause would be sent as one failure per level of its wrapping).
 	ErrInvalidMessage = errors.New("outbox: invalid message")
 
 	// ErrNoEventKey is returned by Enqueue called outside an EffectFunc (no
