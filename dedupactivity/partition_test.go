@@ -185,13 +185,7 @@ func TestRangeLeftInTheDefaultPartition(t *testing.T) {
 	}
 	require.Equal(t, int64(1), inDefault(), "the marker went to the default partition")
 
-	cfg, err := pgxpool.ParseConfig(b.schema.URL)
-	require.NoError(t, err)
-	tracer := &sqlTracer{}
-	cfg.ConnConfig.Tracer = tracer
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	require.NoError(t, err)
-	defer pool.Close()
+	pool, tracer := tracingPool(t, b.schema.URL)
 	d, err := dedupactivity.New(pool, opts)
 	require.NoError(t, err)
 	_, err = d.Prune(ctx)
@@ -205,23 +199,32 @@ func TestRangeLeftInTheDefaultPartition(t *testing.T) {
 	require.Equal(t, int64(1), b.count(t, `SELECT count(*) FROM pg_class WHERE relname = $1 AND relnamespace = current_schema()::regnamespace`, tomorrow), "the range ahead is made")
 }
 
+// expiredPartition sets up the partitioned layout, in partitions of 2s,
+// with one marker whose partition's range is over and which has expired:
+// the next Prune drops that partition.
+func expiredPartition(t *testing.T) (*testBundle, dedupactivity.Options) {
+	t.Helper()
+	opts := dedupactivity.Options{PartitionInterval: 2 * time.Second, PartitionsAhead: 1, Retention: time.Minute}
+	b := setup(t, opts)
+	_, err := deliver(t, "Post", dedupactivity.Wrap(b.d, b.post), Transfer{Account: "a", Amount: 1})
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { // the marker's partition's range is over
+		return b.count(t, `SELECT count(*) FROM dedup_marker WHERE scheduled_at < now() - interval '2 seconds'`) == 1
+	}, 10*time.Second, 100*time.Millisecond)
+	_, err = b.pool.Exec(context.Background(), `UPDATE dedup_marker SET expires_at = now() - interval '1 second'`)
+	require.NoError(t, err)
+	return b, opts
+}
+
 // TestPartitionDroppedWhileAPrunerWaitsToDetachIt: a pruner that read a
 // partition as expired, then waited for the table lock to detach it while
 // another transaction detached and dropped it, passes over it.
 func TestPartitionDroppedWhileAPrunerWaitsToDetachIt(t *testing.T) {
 	t.Parallel()
-	opts := dedupactivity.Options{PartitionInterval: 2 * time.Second, PartitionsAhead: 1, Retention: time.Minute}
-	b := setup(t, opts)
+	b, _ := expiredPartition(t)
 	ctx := context.Background()
-	_, err := deliver(t, "Post", dedupactivity.Wrap(b.d, b.post), Transfer{Account: "a", Amount: 1})
-	require.NoError(t, err)
 	var part string
 	require.NoError(t, b.pool.QueryRow(ctx, `SELECT tableoid::regclass::text FROM dedup_marker`).Scan(&part))
-	require.Eventually(t, func() bool { // the marker's partition's range is over
-		return b.count(t, `SELECT count(*) FROM dedup_marker WHERE scheduled_at < now() - interval '2 seconds'`) == 1
-	}, 10*time.Second, 100*time.Millisecond)
-	_, err = b.pool.Exec(ctx, `UPDATE dedup_marker SET expires_at = now() - interval '1 second'`)
-	require.NoError(t, err)
 
 	// The table alone, not its partitions: the pruner reads the partition,
 	// then waits to detach it.
@@ -258,19 +261,8 @@ func TestPartitionDroppedWhileAPrunerWaitsToDetachIt(t *testing.T) {
 // ErrNotMigrated (the table it was to read is gone).
 func TestTwoPrunersAtOnce(t *testing.T) {
 	t.Parallel()
-	opts := dedupactivity.Options{PartitionInterval: 2 * time.Second, PartitionsAhead: 1, Retention: time.Minute}
-	b := setup(t, opts)
+	b, opts := expiredPartition(t)
 	ctx := context.Background()
-	_, err := deliver(t, "Post", dedupactivity.Wrap(b.d, b.post), Transfer{Account: "a", Amount: 1})
-	require.NoError(t, err)
-	var past int64
-	require.Eventually(t, func() bool { // the marker's partition's range is over
-		require.NoError(t, b.pool.QueryRow(ctx, `SELECT count(*) FROM dedup_marker WHERE scheduled_at < now() - interval '2 seconds'`).Scan(&past))
-		return past == 1
-	}, 10*time.Second, 100*time.Millisecond)
-	_, err = b.pool.Exec(ctx, `UPDATE dedup_marker SET expires_at = now() - interval '1 second'`)
-	require.NoError(t, err)
-
 	other, err := dedupactivity.New(b.pool, opts)
 	require.NoError(t, err)
 	var aDeleted int64

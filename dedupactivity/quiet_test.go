@@ -26,6 +26,20 @@ type sqlTracer struct {
 	errors []error
 }
 
+// tracingPool is a pool to url whose connections' Tracer is the returned
+// sqlTracer.
+func tracingPool(t *testing.T, url string) (*pgxpool.Pool, *sqlTracer) {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(url)
+	require.NoError(t, err)
+	tracer := &sqlTracer{}
+	cfg.ConnConfig.Tracer = tracer
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	return pool, tracer
+}
+
 func (r *sqlTracer) add(sql string, err error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -90,14 +104,8 @@ func TestNoErrorsAsControlFlow(t *testing.T) {
 	t.Parallel()
 	c := pgtest.NewCluster(t)
 	ctx := context.Background()
-	cfg, err := pgxpool.ParseConfig(c.URL())
-	require.NoError(t, err)
-	tracer := &sqlTracer{}
-	cfg.ConnConfig.Tracer = tracer
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	require.NoError(t, err)
-	defer pool.Close()
-	_, err = pool.Exec(ctx, `CREATE TABLE ledger (id bigserial PRIMARY KEY, account text NOT NULL, amount bigint NOT NULL)`)
+	pool, tracer := tracingPool(t, c.URL())
+	_, err := pool.Exec(ctx, `CREATE TABLE ledger (id bigserial PRIMARY KEY, account text NOT NULL, amount bigint NOT NULL)`)
 	require.NoError(t, err)
 	post := func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
 		var p Posting
