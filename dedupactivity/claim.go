@@ -520,15 +520,15 @@ func (d *Deduper) judge(m *marker, st stored, found bool, err error, a attempt) 
 		return a, errors.New("dedupactivity: marker vanished after the claim found it, retry")
 	}
 	a.storedAttempt = st.attempt
-	if m.typeFixed && m.activityType != "" && st.activityType != "" && m.activityType != st.activityType {
-		// A regular or standalone activity's identity names one scheduled
-		// activity, whose type Temporal's history fixes: another type's
+	if m.fingerprint == nil && m.activityType != "" && st.activityType != "" && m.activityType != st.activityType {
+		// A run-scoped identity (no fingerprint) names one scheduled
+		// activity, of one type (the SDK itself fails a local activity
+		// whose type changed at its ID as non-determinism): another type's
 		// marker is another event that shares its IDs (each of Temporal's
 		// test environments has the same workflow, run and first activity
-		// IDs; an ActivityID a workflow reused), whatever the mismatch
-		// policy, whose stored result is of another type. Not a local
-		// activity's: one run again after a deploy that renamed it is the
-		// same event.
+		// IDs; an ActivityID a workflow reused; a local activity a deploy
+		// inserted before this one), whatever the mismatch policy, whose
+		// stored result is of another type.
 		a.outcome = OutcomePayloadMismatch
 		return a, fmt.Errorf("%w: the identity's event was applied by activity type %q (attempt %d), this delivery is of %q: two activities share a workflow run and activity ID (in tests, give each its own Table or Schema, as every test environment has the same IDs)", ErrPayloadMismatch, st.activityType, st.attempt, m.activityType)
 	}
@@ -557,7 +557,7 @@ func (d *Deduper) newMarker(info activity.Info, id Identity, retention time.Dura
 		return nil, err
 	}
 	m := &marker{sum: sha256Sum(enc), attempt: info.Attempt, activityType: validText(info.ActivityType.Name),
-		typeFixed: id.Kind == KindActivity || id.Kind == KindStandalone, expiresAt: expiry(info, retention)}
+		expiresAt: expiry(info, retention)}
 	if d.opts.DiscardResults {
 		m.result = []byte{} // empty, not NULL: a result that is not kept
 	}

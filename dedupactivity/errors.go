@@ -11,10 +11,9 @@ var (
 	// ErrPayloadMismatch is returned when an event identity that was already
 	// claimed is delivered again with a different input and the Deduper's
 	// MismatchPolicy is MismatchReject (the default), and, whatever the
-	// policy, when a regular or standalone activity's identity is delivered
-	// by another activity type than the one that applied it (two activities
-	// sharing a workflow run and activity ID, as in Temporal's test
-	// environments). The stored effect is left untouched. At the activity
+	// policy, when a run-scoped identity is delivered by another activity
+	// type than the one that applied it (two activities sharing a workflow
+	// run and activity ID, as in Temporal's test environments). The stored effect is left untouched. At the activity
 	// edge it becomes a non-retryable ApplicationError of type
 	// ErrTypePayloadMismatch.
 	ErrPayloadMismatch = errors.New("dedupactivity: same event identity delivered with a different payload")

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"io/fs"
+	"net/url"
 	"sync"
 	"testing"
 	"time"
@@ -400,4 +401,32 @@ func TestMigrateBesideAForeignTableLaterInSearchPath(t *testing.T) {
 	var markers int
 	require.NoError(t, first.Pool.QueryRow(ctx, `SELECT count(*) FROM dedup_marker`).Scan(&markers))
 	require.Equal(t, 1, markers, "the marker table made in the first schema")
+}
+
+// TestMigrateRefusesAForeignTableInAQuotedSchema: the foreign table is
+// found in current_schema() also when that schema's name needs quoting
+// (compared as a name, not parsed as an identifier).
+func TestMigrateRefusesAForeignTableInAQuotedSchema(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	srv := pgtest.RequireServer(t)
+	admin, err := pgx.Connect(ctx, srv.URL)
+	require.NoError(t, err)
+	defer admin.Close(ctx)
+	schema := fmt.Sprintf("Tenant_%d", time.Now().UnixNano()) // upper case: quoted
+	q := pgx.Identifier{schema}.Sanitize()
+	_, err = admin.Exec(ctx, `CREATE SCHEMA `+q+`; CREATE TABLE `+q+`.dedup_marker (identity_hash bytea PRIMARY KEY, result bytea, expires_at timestamptz)`)
+	require.NoError(t, err)
+	t.Cleanup(func() { _, _ = admin.Exec(context.Background(), `DROP SCHEMA `+q+` CASCADE`) })
+	u, err := pgtest.WithSearchPath(srv.URL, url.QueryEscape(q))
+	require.NoError(t, err)
+	pool, err := pgxpool.New(ctx, u)
+	require.NoError(t, err)
+	defer pool.Close()
+	var current string
+	require.NoError(t, pool.QueryRow(ctx, `SELECT current_schema()`).Scan(&current))
+	require.Equal(t, schema, current)
+	d, err := dedupactivity.New(pool, dedupactivity.Options{})
+	require.NoError(t, err)
+	require.ErrorIs(t, d.Migrate(ctx), dedupactivity.ErrInvalidOptions)
 }

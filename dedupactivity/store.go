@@ -185,7 +185,7 @@ const (
 	(SELECT coalesce(has_table_privilege(to_regclass($3), 'SELECT'), false)),
 	(SELECT bool_and(to_regprocedure(f) IS NOT NULL) FROM unnest($4::text[]) AS f),
 	(SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($1)),
-	(SELECT coalesce(relnamespace = to_regnamespace(current_schema()), false) FROM pg_class WHERE oid = to_regclass($1))`
+	(SELECT coalesce(relnamespace = (SELECT oid FROM pg_namespace WHERE nspname = current_schema()), false) FROM pg_class WHERE oid = to_regclass($1))`
 	// missingColumnsSQL lists which of the columns $2 the table $1 lacks.
 	missingColumnsSQL = `SELECT coalesce(array_agg(c ORDER BY c), '{}') FROM unnest($2::text[]) AS c
 	WHERE NOT EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = c AND NOT attisdropped)`
@@ -261,7 +261,6 @@ type marker struct {
 	attempt      int32
 	expiresAt    time.Time
 	activityType string
-	typeFixed    bool   // a regular or standalone activity's identity: one scheduled activity, of one type
 	fingerprint  []byte // nil: not compared
 	result       []byte // nil, or empty when results are discarded
 	scheduledAt  time.Time
