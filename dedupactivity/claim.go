@@ -373,7 +373,7 @@ func (d *Deduper) selfTable(ctx context.Context, conn *pgx.Conn) (uint32, error)
 // claimError is the error of a claim statement that failed.
 func claimError(ctx context.Context, err error) error {
 	err = interpretError(err, true)
-	if _, _, known := classify(err); !known && errors.Is(ctx.Err(), context.DeadlineExceeded) {
+	if _, known := classify(err); !known && errors.Is(ctx.Err(), context.DeadlineExceeded) {
 		// The caller's deadline came before the claim wait ran out.
 		err = fmt.Errorf("%w (the caller's deadline came first): %w", ErrClaimTimeout, err)
 	}

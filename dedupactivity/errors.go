@@ -145,11 +145,7 @@ const (
 // errorClasses maps this package's sentinels to their ApplicationError type
 // and whether Temporal may retry them; toTemporal and the error.type
 // telemetry attribute both read it.
-var errorClasses = []struct {
-	sentinel     error
-	typ          string
-	nonRetryable bool
-}{
+var errorClasses = []errorClass{
 	{ErrPayloadMismatch, ErrTypePayloadMismatch, true},
 	{ErrClaimTimeout, ErrTypeClaimTimeout, false},
 	{ErrNotActivity, ErrTypeInvalidUsage, true},
@@ -166,12 +162,19 @@ var errorClasses = []struct {
 	{ErrReadOnly, errTypeReadOnly, false},
 }
 
-// classify finds the first of this package's sentinels err matches.
-func classify(err error) (typ string, nonRetryable, ok bool) {
+type errorClass struct {
+	sentinel     error
+	typ          string
+	nonRetryable bool
+}
+
+// classify finds the class of the first of this package's sentinels err
+// matches.
+func classify(err error) (c errorClass, ok bool) {
 	for _, c := range errorClasses {
 		if errors.Is(err, c.sentinel) {
-			return c.typ, c.nonRetryable, true
+			return c, true
 		}
 	}
-	return "", false, false
+	return errorClass{}, false
 }

@@ -408,8 +408,8 @@ func (t *telemetry) metricAttrs(r *record, errType string) measureOpts {
 
 // errorType is the error.type of err (see errorTypeKey).
 func errorType(err error) string {
-	if typ, _, ok := classify(err); ok {
-		return typ
+	if c, ok := classify(err); ok {
+		return c.typ
 	}
 	var appErr *temporal.ApplicationError
 	if errors.As(err, &appErr) && appErr.Type() != "" {

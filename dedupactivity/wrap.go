@@ -305,18 +305,12 @@ func toTemporal(err error) error {
 	if errors.As(err, &appErr) {
 		return err
 	}
-	typ, nonRetryable, ok := classify(err)
-	if !ok || typ == errTypeNotMigrated || typ == errTypeReadOnly {
+	c, ok := classify(err)
+	if !ok || c.typ == errTypeNotMigrated || c.typ == errTypeReadOnly {
 		return err // retryable as it is: a migration or a fail-over fixes it
 	}
-	cause := &sentinel{err: err}
-	for _, c := range errorClasses {
-		if errors.Is(err, c.sentinel) {
-			cause.is = c.sentinel
-			break
-		}
-	}
-	return temporal.NewApplicationErrorWithOptions(err.Error(), typ, temporal.ApplicationErrorOptions{NonRetryable: nonRetryable, Cause: cause})
+	return temporal.NewApplicationErrorWithOptions(err.Error(), c.typ, temporal.ApplicationErrorOptions{
+		NonRetryable: c.nonRetryable, Cause: &sentinel{is: c.sentinel, err: err}})
 }
 
 // sentinel is the cause of the ApplicationError toTemporal makes: it reads
