@@ -87,18 +87,22 @@ func (d *Deduper) Migrate(ctx context.Context) error {
 	latest := migs[len(migs)-1].version
 	versionTable := d.qualify(d.opts.Table + "_migration")
 
-	var columns int
+	var missing []string // of markerColumns
 	var hasFunc, hasVersions bool
 	var partitioned *bool // nil: no table yet
 	var inCurrentSchema *bool
-	if err := d.pool.QueryRow(ctx, catalogSQL, d.store.table, markerColumns, versionTable, d.functions()).Scan(&columns, &hasVersions, &hasFunc, &partitioned, &inCurrentSchema); err != nil {
+	if err := d.pool.QueryRow(ctx, catalogSQL, d.store.table, markerColumns, versionTable, d.functions()).Scan(&missing, &hasVersions, &hasFunc, &partitioned, &inCurrentSchema); err != nil {
 		return fmt.Errorf("dedupactivity: migrate: read catalog: %w", err)
 	}
-	if partitioned != nil && d.opts.Schema == "" && !*inCurrentSchema && columns < len(markerColumns) {
-		// The unqualified name found a table further down search_path that
-		// is not a marker table: the files make one in current_schema(),
-		// which the claims' statements then find first.
-		partitioned = nil
+	// A table without all the marker's columns: only one migration makes
+	// the table, so it was made by something else (or by a newer release,
+	// which the version check below reports first).
+	foreign := partitioned != nil && len(missing) > 0
+	if foreign && d.opts.Schema == "" && !*inCurrentSchema {
+		// The unqualified name found it further down search_path: the
+		// files make the marker table in current_schema(), which the
+		// claims' statements then find first.
+		partitioned, foreign = nil, false
 	}
 	if partitioned != nil && *partitioned != (d.opts.PartitionInterval > 0) {
 		layout := map[bool]string{true: "the partitioned layout (PartitionInterval set)", false: "the default layout (PartitionInterval 0)"}
@@ -113,13 +117,12 @@ func (d *Deduper) Migrate(ctx context.Context) error {
 	if recorded != nil && *recorded > latest {
 		return fmt.Errorf("%w: %s records version %d, this package knows up to %d (a newer release made it, or an unreleased build from before the migrations were folded into one: drop and re-create such a table)", ErrSchemaTooNew, versionTable, *recorded, latest)
 	}
-	if partitioned != nil && columns < len(markerColumns) {
-		// Only one migration makes the table, so one that exists without
-		// its columns was made by something else: the files (CREATE TABLE
-		// IF NOT EXISTS) would leave it as it is, and every claim would fail.
-		return d.notAMarkerTable(ctx)
+	if foreign {
+		// The files (CREATE TABLE IF NOT EXISTS) would leave it as it is,
+		// and every claim would fail.
+		return fmt.Errorf("%w: the table %s exists without the column(s) %s of a marker table: it was not made by dedupactivity (or by a build from before its migrations were folded into one); give Options another Table (or Schema), or drop it", ErrInvalidOptions, d.store.table, strings.Join(missing, ", "))
 	}
-	if columns < len(markerColumns) || !hasFunc {
+	if len(missing) > 0 || !hasFunc {
 		if err := d.applyMigrations(ctx, migs, versionTable); err != nil {
 			return err
 		}
@@ -133,16 +136,6 @@ func (d *Deduper) Migrate(ctx context.Context) error {
 		}
 	}
 	return nil
-}
-
-// notAMarkerTable is the error of Migrate on a table of the marker table's
-// name that lacks some of its columns.
-func (d *Deduper) notAMarkerTable(ctx context.Context) error {
-	var missing []string
-	if err := d.pool.QueryRow(ctx, missingColumnsSQL, d.store.table, markerColumns).Scan(&missing); err != nil {
-		return fmt.Errorf("dedupactivity: migrate: read catalog: %w", err)
-	}
-	return fmt.Errorf("%w: the table %s exists without the column(s) %s of a marker table: it was not made by dedupactivity (or by a build from before its migrations were folded into one); give Options another Table (or Schema), or drop it", ErrInvalidOptions, d.store.table, strings.Join(missing, ", "))
 }
 
 // functions are the marker table's functions, as regprocedure text.

@@ -175,20 +175,19 @@ WHERE set_config('lock_timeout', $7, true) IS NOT NULL AND CASE WHEN `+self+` = 
 
 // Migrations (migrate.go).
 const (
-	// catalogSQL counts which of the columns $2 the table $1 has, says
-	// whether the version table $3 exists and can be read, whether every
-	// function $4 exists, whether $1 is a partitioned table (NULL when
-	// there is no table $1), and whether it is in current_schema() (where
-	// the files create an unqualified table).
+	// catalogSQL lists which of the columns $2 the table $1 lacks (all of
+	// them when there is no table $1), says whether the version table $3
+	// exists and can be read, whether every function $4 exists, whether $1
+	// is a partitioned table (NULL when there is no table $1), and whether
+	// it is in current_schema() (where the files create an unqualified
+	// table).
 	catalogSQL = `SELECT
-	(SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = ANY($2) AND NOT attisdropped),
+	(SELECT coalesce(array_agg(c ORDER BY c), '{}') FROM unnest($2::text[]) AS c
+		WHERE NOT EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = c AND NOT attisdropped)),
 	(SELECT coalesce(has_table_privilege(to_regclass($3), 'SELECT'), false)),
 	(SELECT bool_and(to_regprocedure(f) IS NOT NULL) FROM unnest($4::text[]) AS f),
 	(SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($1)),
 	(SELECT coalesce(relnamespace = (SELECT oid FROM pg_namespace WHERE nspname = current_schema()), false) FROM pg_class WHERE oid = to_regclass($1))`
-	// missingColumnsSQL lists which of the columns $2 the table $1 lacks.
-	missingColumnsSQL = `SELECT coalesce(array_agg(c ORDER BY c), '{}') FROM unnest($2::text[]) AS c
-	WHERE NOT EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = c AND NOT attisdropped)`
 	advisoryXactLockSQL = `SELECT pg_advisory_xact_lock($1)`
 	// currentXactSQL is the transaction's ID, or NULL if it has written
 	// nothing.
