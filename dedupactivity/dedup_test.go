@@ -91,6 +91,24 @@ func TestAnotherActivityTypeIsNotADuplicate(t *testing.T) {
 	require.Equal(t, int64(1), b.ledgerRows(t))
 }
 
+// TestOneActivityEnvironmentDeliversNewEvents: ExecuteActivity twice in one
+// test environment delivers two events (the environment gives each call a
+// new activity ID), as the README's testing section says; a new
+// environment delivers the first again (see deliver).
+func TestOneActivityEnvironmentDeliversNewEvents(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	var s testsuite.WorkflowTestSuite
+	env := s.NewTestActivityEnvironment()
+	env.RegisterActivityWithOptions(dedupactivity.Wrap(b.d, b.post), activity.RegisterOptions{Name: "Post"})
+	for range 2 {
+		_, err := env.ExecuteActivity("Post", Transfer{Account: "a", Amount: 1})
+		require.NoError(t, err)
+	}
+	require.Equal(t, int64(2), b.ledgerRows(t))
+	require.Equal(t, int64(2), b.markers(t))
+}
+
 func TestMarkerAndEffectInOneTransaction(t *testing.T) {
 	t.Parallel()
 	b := setup(t, dedupactivity.Options{})

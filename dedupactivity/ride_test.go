@@ -24,6 +24,15 @@ func runScoped(activityID string) dedupactivity.Identity {
 	return dedupactivity.Identity{Kind: dedupactivity.KindActivity, Namespace: "default", WorkflowID: "w", RunID: "r", ActivityID: activityID}
 }
 
+// bothPaths are, by subtest name, a business key from key, whose claim
+// goes first, and a run-scoped identity from key, whose claim rides.
+func bothPaths(key string) map[string]dedupactivity.Identity {
+	return map[string]dedupactivity.Identity{
+		"ClaimFirst": {Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: key},
+		"Riding":     runScoped(key),
+	}
+}
+
 // TestEveryFirstCallWorks: whatever the effect calls first, a first delivery
 // applies it once and a duplicate applies nothing and returns the stored
 // result. Statements with positional arguments carry the claim (two round

@@ -81,6 +81,11 @@ func TestErrorsReadOnceInTheWorkflow(t *testing.T) {
 	require.ErrorAs(t, werr, &ae)
 	require.Equal(t, dedupactivity.ErrTypeInvalidUsage, ae.Type())
 	require.Equal(t, 1, strings.Count(werr.Error(), detail), "%v", werr)
+	var cause *temporal.ApplicationError
+	require.ErrorAs(t, ae.Unwrap(), &cause, "one cause")
+	require.Equal(t, "sentinel", cause.Type())
+	require.Equal(t, dedupactivity.ErrTxOwned.Error(), cause.Message())
+	require.Nil(t, cause.Unwrap(), "and no more")
 	require.Zero(t, b.ledgerRows(t))
 }
 

@@ -557,10 +557,7 @@ func TestLargeObjectsAfterAFailedStatement(t *testing.T) {
 	t.Parallel()
 	b := setup(t, dedupactivity.Options{})
 	ctx := context.Background()
-	for name, id := range map[string]dedupactivity.Identity{
-		"ClaimFirst": {Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "lo"},
-		"Riding":     runScoped("lo"),
-	} {
+	for name, id := range bothPaths("lo") {
 		t.Run(name, func(t *testing.T) {
 			var loErr error
 			_, outcome, err := dedupactivity.Do(ctx, b.d, id, Transfer{}, func(ctx context.Context, tx pgx.Tx, in Transfer) (int, error) {
@@ -593,10 +590,7 @@ func TestLargeObjectsRefused(t *testing.T) {
 	t.Parallel()
 	b := setup(t, dedupactivity.Options{})
 	ctx := context.Background()
-	for name, id := range map[string]dedupactivity.Identity{
-		"ClaimFirst": {Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "lo-busy"},
-		"Riding":     runScoped("lo-busy"),
-	} {
+	for name, id := range bothPaths("lo-busy") {
 		t.Run(name, func(t *testing.T) {
 			returned := false
 			_, outcome, err := dedupactivity.Do(ctx, b.d, id, Transfer{}, func(ctx context.Context, tx pgx.Tx, in Transfer) (int, error) {
@@ -650,10 +644,7 @@ func TestClaimWaitWithGenericPlans(t *testing.T) {
 	d, err := dedupactivity.New(pool, dedupactivity.Options{ClaimWait: 300 * time.Millisecond})
 	require.NoError(t, err)
 	in := Transfer{Account: "a", Amount: 1}
-	for name, id := range map[string]dedupactivity.Identity{
-		"ClaimFirst": {Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "generic"},
-		"Riding":     runScoped("generic"),
-	} {
+	for name, id := range bothPaths("generic") {
 		func() {
 			// Another transaction holds the event's key, uncommitted.
 			holder, err := b.pool.Begin(ctx)
