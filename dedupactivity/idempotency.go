@@ -2,21 +2,11 @@ package dedupactivity
 
 import (
 	"context"
-	"encoding/hex"
 
 	"go.temporal.io/sdk/activity"
+
+	"github.com/dedupactivity/dedupactivity/dedupactivity/internal/event"
 )
-
-// eventKey is the context key under which the effect's context carries its
-// event.
-type eventKey struct{}
-
-// withEvent returns ctx carrying the identity hash of the event being applied:
-// its marker's sum, which does not change once made, and a marker is never
-// reused for another event.
-func withEvent(ctx context.Context, hash *[32]byte) context.Context {
-	return context.WithValue(ctx, eventKey{}, hash)
-}
 
 // IdempotencyKey returns a key that is the same for every attempt and every
 // redelivery of one event, and different for different events: the hex
@@ -30,8 +20,8 @@ func withEvent(ctx context.Context, hash *[32]byte) context.Context {
 // around a ClaimTx, whose identity ctx does not carry: there, use "dedup-"
 // and the hex of the claimed id's Hash. Outside both it returns "", false.
 func IdempotencyKey(ctx context.Context) (string, bool) {
-	if h, ok := ctx.Value(eventKey{}).(*[32]byte); ok {
-		return "dedup-" + hex.EncodeToString(h[:]), true
+	if k, ok := event.Key(ctx); ok {
+		return k, true
 	}
 	if !activity.IsActivity(ctx) {
 		return "", false
@@ -42,5 +32,5 @@ func IdempotencyKey(ctx context.Context) (string, bool) {
 		return "", false
 	}
 	h := sha256Sum(enc)
-	return "dedup-" + hex.EncodeToString(h[:]), true
+	return event.KeyOf(&h), true
 }

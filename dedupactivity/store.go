@@ -254,7 +254,7 @@ func timeLiteral(t time.Time) string {
 }
 
 // marker is the row the claim inserts. One is made for each attempt and
-// never reused: the effect's context points at its sum (withEvent).
+// never reused: the effect's context points at its sum (event.With).
 type marker struct {
 	sum          [32]byte // SHA-256 of the identity's encoding: the key
 	attempt      int32

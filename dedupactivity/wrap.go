@@ -12,6 +12,8 @@ import (
 	"go.temporal.io/sdk/activity"
 	"go.temporal.io/sdk/temporal"
 	"go.temporal.io/sdk/worker"
+
+	"github.com/dedupactivity/dedupactivity/dedupactivity/internal/event"
 )
 
 // EffectFunc is the user's database effect; it must do all its writes
@@ -228,7 +230,7 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 	}
 
 	ctx, rec := w.d.tel.start(ctx, info, id, m.sum)
-	ctx = withEvent(ctx, &m.sum)
+	ctx = event.With(ctx, &m.sum)
 	defer func() {
 		if r := recover(); r != nil {
 			a.outcome = OutcomeEffectError

@@ -18,13 +18,14 @@ var (
 	// (a cause would be sent as one failure per level of its wrapping).
 	ErrInvalidMessage = errors.New("outbox: invalid message")
 
-	// ErrNoEventKey is returned by Enqueue called outside an EffectFunc (no
-	// event in the context) for a message without an explicit Key.
+	// ErrNoEventKey is returned by Enqueue called outside an EffectFunc (in
+	// a plain activity, around a ClaimTx, outside Temporal) for a message
+	// without an explicit Key.
 	ErrNoEventKey = errors.New("outbox: no event in context: enqueue inside an EffectFunc or set Message.Key")
 
 	// ErrDuplicateKey is returned by Enqueue when a message with the same
-	// idempotency key is already stored: an explicit Key reused, or an
-	// enqueue outside a claimed effect that already committed.
+	// idempotency key is already stored: an explicit Key reused, by a
+	// retry that already committed it or by another message.
 	ErrDuplicateKey = errors.New("outbox: idempotency key already enqueued")
 
 	// ErrNotMigrated is returned when the outbox table does not exist, or

@@ -19,6 +19,7 @@ import (
 	"go.opentelemetry.io/otel/metric"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
+	"github.com/dedupactivity/dedupactivity/dedupactivity/internal/event"
 	"github.com/dedupactivity/dedupactivity/migrations/outbox"
 )
 
@@ -150,6 +151,10 @@ type Message struct {
 	// Key, when set, is the message's idempotency key as it is, instead of
 	// one derived from the event. Use it only outside an EffectFunc: the
 	// derived key is what makes retries of an effect produce the same key.
+	// It is sent as an HTTP header value: at most 255 bytes (Stripe's
+	// limit, and idemhttp's) of valid UTF-8 with no control character and
+	// no leading or trailing space, else Enqueue fails with
+	// ErrInvalidMessage.
 	Key string
 }
 
@@ -159,18 +164,28 @@ var nameRE = regexp.MustCompile(`^[A-Za-z0-9._-]{1,100}$`)
 // transaction, so it commits exactly once with the effect and its marker and
 // vanishes if they roll back. It returns the message's idempotency key.
 //
-// The key is derived from the event being applied
-// (dedupactivity.IdempotencyKey(ctx)), the message's Name and its position
+// The key is derived from the event being applied (the EffectFunc's
+// dedupactivity.IdempotencyKey(ctx)), the message's Name and its position
 // among the effect's messages of that name: "<event key>:<name>:<n>", n
 // counting from 0. Every attempt and redelivery of one event derives the
-// same keys, and two events never share one. Outside an EffectFunc (no event
-// in ctx) Enqueue needs msg.Key, else it fails with ErrNoEventKey.
+// same keys, and two events never share one. Outside an EffectFunc (in a
+// plain activity, around a ClaimTx) Enqueue needs msg.Key, else it fails
+// with ErrNoEventKey: only the event's claim keeps a committed attempt's
+// messages from being counted again by its retry.
 func (ob *Outbox) Enqueue(ctx context.Context, tx pgx.Tx, msg Message) (string, error) {
 	if tx == nil {
 		return "", fmt.Errorf("%w: tx is nil", ErrInvalidMessage)
 	}
 	if msg.Destination == "" {
 		return "", fmt.Errorf("%w: Destination is empty", ErrInvalidMessage)
+	}
+	if !storable(msg.Destination) {
+		return "", fmt.Errorf("%w: Destination %q is not valid UTF-8 without NUL", ErrInvalidMessage, msg.Destination)
+	}
+	if msg.Key != "" {
+		if err := checkKey(msg.Key); err != nil {
+			return "", fmt.Errorf("%w: %w", ErrInvalidMessage, err)
+		}
 	}
 	if msg.Name == "" {
 		msg.Name = msg.Destination
@@ -195,7 +210,13 @@ func (ob *Outbox) Enqueue(ctx context.Context, tx pgx.Tx, msg Message) (string, 
 VALUES ($1, '', $2, $3, $4, $5) RETURNING idempotency_key`,
 			msg.Key, msg.Destination, msg.Name, headers, payload).Scan(&key)
 	} else {
-		eventKey, ok := dedupactivity.IdempotencyKey(ctx)
+		// Only the event of an EffectFunc, not any activity's identity
+		// (dedupactivity.IdempotencyKey falls back to that): the position
+		// counts the messages committed with this event's key, which only
+		// the event's claim keeps to this transaction's own. In a plain
+		// activity an attempt that committed and was retried would count its
+		// own message and derive a new key.
+		eventKey, ok := event.Key(ctx)
 		if !ok {
 			return "", ErrNoEventKey
 		}
@@ -274,7 +295,10 @@ const (
 // Stats counts the outbox's messages.
 type Stats struct {
 	Pending, Sending, Sent, Applied, Dead, Rejected int64
-	// Resends is the number of sends beyond each message's first.
+	// Resends is the number of leases beyond each message's first (the
+	// sum of Delivery.Attempt - 1): each is a resend, or a lease that ended
+	// without a send (its relay's process stopped before it reached the
+	// message, or the claim made the message dead).
 	Resends int64
 	// OldestPendingAge is the age of the oldest pending or sending message
 	// (0 when there is none).

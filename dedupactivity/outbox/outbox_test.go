@@ -17,7 +17,10 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
+	"go.temporal.io/sdk/activity"
+	"go.temporal.io/sdk/temporal"
 	"go.temporal.io/sdk/testsuite"
+	"go.temporal.io/sdk/workflow"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 	"github.com/dedupactivity/dedupactivity/dedupactivity/outbox"
@@ -187,6 +190,20 @@ func TestEnqueueRejectsBadMessages(t *testing.T) {
 		"unencodable":    {Destination: "d", Key: "k", Payload: make(chan int)},
 		"header name":    {Destination: "d", Key: "k", Headers: map[string]string{"Bad Name": "v"}},
 		"header value":   {Destination: "d", Key: "k", Headers: map[string]string{"X-Note": "a\r\nX-Injected: 1"}},
+		// Stored in jsonb, it would come back with U+FFFD for the byte.
+		"header value not UTF-8": {Destination: "d", Key: "k", Headers: map[string]string{"X-Name": "Jos\xe9"}},
+		// Text columns refuse these with SQLSTATE 22021, which a retry
+		// cannot fix.
+		"NUL in destination":    {Destination: "rece\x00ipts", Key: "k"},
+		"destination not UTF-8": {Destination: "rece\xffipts", Key: "k"},
+		"NUL in key":            {Destination: "d", Key: "k\x003"},
+		"key not UTF-8":         {Destination: "d", Key: "k\xff"},
+		// Sent as the Idempotency-Key header: net/http refuses a line
+		// break at every send, HTTP trims spaces, idemhttp refuses a key
+		// longer than 255 bytes.
+		"line break in key":      {Destination: "d", Key: "order-1\r\nX-Injected: 1"},
+		"key with a space after": {Destination: "d", Key: "order-1 "},
+		"key too long":           {Destination: "d", Key: strings.Repeat("k", 256)},
 	} {
 		err := pgx.BeginFunc(ctx, b.schema.Pool, func(tx pgx.Tx) error {
 			_, err := b.ob.Enqueue(ctx, tx, msg)
@@ -194,6 +211,54 @@ func TestEnqueueRejectsBadMessages(t *testing.T) {
 		})
 		require.ErrorIs(t, err, outbox.ErrInvalidMessage, name)
 	}
+	require.Zero(t, b.count(t, `SELECT count(*) FROM dedup_outbox`))
+	err := pgx.BeginFunc(ctx, b.schema.Pool, func(tx pgx.Tx) error {
+		_, err := b.ob.Enqueue(ctx, tx, outbox.Message{Destination: "d", Key: strings.Repeat("k", 255), Headers: map[string]string{"X-Name": "José"}})
+		return err
+	})
+	require.NoError(t, err, "the longest key, a header in UTF-8")
+}
+
+// TestEnqueueInAPlainActivityNeedsAKey: a plain activity (no EffectFunc)
+// whose first attempt committed its message and then failed must not derive
+// a new key on its retry, which would count the committed message and send
+// a second one. Enqueue needs an explicit Key there, as anywhere outside an
+// EffectFunc.
+func TestEnqueueInAPlainActivityNeedsAKey(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	var mu sync.Mutex
+	var errs []error
+	act := func(ctx context.Context) error {
+		err := pgx.BeginFunc(ctx, b.schema.Pool, func(tx pgx.Tx) error {
+			_, err := b.ob.Enqueue(ctx, tx, outbox.Message{Destination: "receipts", Name: "receipt"})
+			return err
+		})
+		mu.Lock()
+		errs = append(errs, err)
+		mu.Unlock()
+		if err != nil {
+			return temporal.NewNonRetryableApplicationError(err.Error(), "Enqueue", nil)
+		}
+		if activity.GetInfo(ctx).Attempt == 1 {
+			return errors.New("completion lost after the commit")
+		}
+		return nil
+	}
+	wf := func(ctx workflow.Context) error {
+		ctx = workflow.WithActivityOptions(ctx, workflow.ActivityOptions{StartToCloseTimeout: 10 * time.Second,
+			RetryPolicy: &temporal.RetryPolicy{InitialInterval: time.Millisecond, MaximumAttempts: 2}})
+		return workflow.ExecuteActivity(ctx, "SendReceipt").Get(ctx, nil)
+	}
+	var suite testsuite.WorkflowTestSuite
+	env := suite.NewTestWorkflowEnvironment()
+	env.RegisterWorkflowWithOptions(wf, workflow.RegisterOptions{Name: "W"})
+	env.RegisterActivityWithOptions(act, activity.RegisterOptions{Name: "SendReceipt"})
+	env.ExecuteWorkflow("W")
+	require.Error(t, env.GetWorkflowError())
+	require.Len(t, errs, 1)
+	require.ErrorIs(t, errs[0], outbox.ErrNoEventKey)
+	require.Zero(t, b.count(t, `SELECT count(*) FROM dedup_outbox`))
 }
 
 func TestMigrateIdempotentAndConcurrent(t *testing.T) {

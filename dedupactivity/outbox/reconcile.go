@@ -119,7 +119,7 @@ type ReconcilerConfig struct {
 	Checker Checker
 
 	// UnackedAfter is how long a message may go without an acknowledgement,
-	// from its first unacknowledged send, before the reconciler asks its
+	// from the first lease a relay took of it, before the reconciler asks its
 	// destination about it (a message whose sends time out or whose
 	// responses are lost, say).
 	//

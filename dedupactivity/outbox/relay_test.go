@@ -438,6 +438,13 @@ func TestHTTPSenderClassifiesFailures(t *testing.T) {
 	dest.mu.Lock()
 	require.Zero(t, dest.received["bad-header"])
 	dest.mu.Unlock()
+	// So is a key the Idempotency-Key header cannot carry as it is (a key
+	// of "k " would reach the destination as "k").
+	for _, key := range []string{"bad\r\nkey", "bad-key "} {
+		err = s.Send(ctx, outbox.Delivery{Key: key, Destination: "d", Payload: []byte(`{}`)})
+		require.ErrorIs(t, err, outbox.ErrPermanent, key)
+	}
+	require.Zero(t, dest.received["bad-key"])
 
 	// Unknown destination: permanent.
 	err = s.Send(ctx, outbox.Delivery{Key: "k", Destination: "nowhere"})
@@ -468,6 +475,14 @@ func TestHTTPSenderClassifiesFailures(t *testing.T) {
 	err = ss.Send(ctx, outbox.Delivery{Key: "k", Destination: "d"})
 	require.ErrorIs(t, err, context.DeadlineExceeded)
 	require.NotErrorIs(t, err, outbox.ErrPermanent)
+
+	// The sender keeps its own copy of Endpoints: the caller's map, changed
+	// afterwards, changes nothing (and is not read by the sends).
+	endpoints := map[string]string{"d": dest.URL}
+	cs, err := outbox.NewHTTPSender(outbox.HTTPSenderConfig{Endpoints: endpoints})
+	require.NoError(t, err)
+	endpoints["d"] = closedURL
+	require.NoError(t, cs.Send(ctx, outbox.Delivery{Key: "k200", Destination: "d", Payload: []byte(`{}`)}))
 
 	for name, cfg := range map[string]outbox.HTTPSenderConfig{
 		"no endpoints": {},

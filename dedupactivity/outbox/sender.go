@@ -6,9 +6,12 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"net/http"
 	"net/url"
+	"strings"
 	"time"
+	"unicode/utf8"
 
 	"golang.org/x/net/http/httpguts"
 )
@@ -27,8 +30,8 @@ type Delivery struct {
 	// Attempt counts this message's sends, this one included (from 1). A
 	// send cut off by the relay stopping is given back and not counted, so
 	// the next send has the same Attempt; a lease a relay held when its
-	// process stopped, before it reached this message, is counted (Attempt
-	// is also the lease's fencing token, which never goes back).
+	// process stopped, before it reached this message, is counted. Attempt
+	// is also the lease's fencing token (docs/outbox.md, "Relay").
 	Attempt int
 
 	tries      int   // sends since enqueued or re-queued, this one included
@@ -101,6 +104,9 @@ func NewHTTPSender(cfg HTTPSenderConfig) (*HTTPSender, error) {
 			return nil, fmt.Errorf("%w: HTTPSenderConfig.Endpoints[%q] = %q is not an http(s) URL", ErrInvalidConfig, dest, u)
 		}
 	}
+	// A copy: the caller's map, changed later, would skip the check above
+	// and race with the relays' sends.
+	cfg.Endpoints = maps.Clone(cfg.Endpoints)
 	client := http.Client{}
 	if cfg.Client != nil {
 		client = *cfg.Client
@@ -146,18 +152,43 @@ func Retryable(status int) bool {
 }
 
 // checkHeaders refuses header names and values net/http would refuse to
-// send, so such a message fails when enqueued, not at every send.
+// send, so such a message fails when enqueued, not at every send, and values
+// that are not valid UTF-8, which the headers' jsonb column would store
+// changed (U+FFFD for each bad byte).
 func checkHeaders(h map[string]string) error {
 	for k, v := range h {
 		switch {
 		case !httpguts.ValidHeaderFieldName(k):
 			return fmt.Errorf("invalid header name %q", k)
-		case !httpguts.ValidHeaderFieldValue(v):
-			return fmt.Errorf("invalid value of header %q", k)
+		case !httpguts.ValidHeaderFieldValue(v) || !utf8.ValidString(v):
+			return fmt.Errorf("invalid value of header %q (HTTP allows no control character; stored, it must be valid UTF-8)", k)
 		}
 	}
 	return nil
 }
+
+// maxKeyLength bounds an explicit Message.Key: Stripe's limit, and
+// idemhttp's MaxKeyLength.
+const maxKeyLength = 255
+
+// checkKey refuses an idempotency key that the Idempotency-Key header
+// cannot carry as it is: HTTP trims leading and trailing spaces, and
+// net/http refuses control characters.
+func checkKey(k string) error {
+	switch {
+	case len(k) > maxKeyLength:
+		return fmt.Errorf("the key is %d bytes, longer than %d", len(k), maxKeyLength)
+	case !utf8.ValidString(k) || !httpguts.ValidHeaderFieldValue(k):
+		return fmt.Errorf("the key %q is not valid UTF-8 without control characters", k)
+	case strings.TrimSpace(k) != k:
+		return fmt.Errorf("the key %q has leading or trailing space, which HTTP trims", k)
+	}
+	return nil
+}
+
+// storable says whether s can be stored in a text column: valid UTF-8
+// without NUL.
+func storable(s string) bool { return utf8.ValidString(s) && !strings.ContainsRune(s, 0) }
 
 // Send POSTs d to its destination.
 func (s *HTTPSender) Send(ctx context.Context, d Delivery) error {
@@ -170,6 +201,9 @@ func (s *HTTPSender) Send(ctx context.Context, d Delivery) error {
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, u, bytes.NewReader(d.Payload))
 	if err != nil {
 		return fmt.Errorf("%w: build request: %w", ErrPermanent, err)
+	}
+	if err := checkKey(d.Key); err != nil {
+		return fmt.Errorf("%w: %w", ErrPermanent, err) // written by something other than Enqueue
 	}
 	if err := checkHeaders(d.Headers); err != nil {
 		return fmt.Errorf("%w: %w", ErrPermanent, err) // written by something other than Enqueue
