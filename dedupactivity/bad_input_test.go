@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
+	"go.temporal.io/sdk/client"
 	"go.temporal.io/sdk/temporal"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
@@ -225,4 +226,56 @@ func TestReadOnlyDatabase(t *testing.T) {
 	_, err = deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
 	require.ErrorIs(t, err, dedupactivity.ErrReadOnly)
 	require.Zero(t, b.markers(t))
+}
+
+// scheduleRecorder is a Temporal client whose Schedule client records the
+// Schedules it is asked to create (and fails every other call).
+type scheduleRecorder struct {
+	client.Client
+	sc *createdSchedules
+}
+
+func (c scheduleRecorder) ScheduleClient() client.ScheduleClient { return c.sc }
+
+type createdSchedules struct {
+	client.ScheduleClient
+	created []client.ScheduleOptions
+}
+
+func (s *createdSchedules) Create(_ context.Context, o client.ScheduleOptions) (client.ScheduleHandle, error) {
+	s.created = append(s.created, o)
+	return nil, nil
+}
+
+// TestPruneScheduleIntervalChecked: EnsurePruneSchedule refuses, before it
+// calls Temporal, an interval under a minute and, in the partitioned
+// layout, one that leaves no second run within the partitions made ahead.
+func TestPruneScheduleIntervalChecked(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	for _, c := range []struct {
+		opts     dedupactivity.Options
+		interval time.Duration
+		ok       bool
+	}{
+		{dedupactivity.Options{}, 59 * time.Second, false},
+		{dedupactivity.Options{}, 24 * time.Hour, true},
+		{dedupactivity.Options{PartitionInterval: time.Hour}, 90 * time.Minute, true}, // PartitionsAhead 3: 3h ahead
+		{dedupactivity.Options{PartitionInterval: time.Hour}, 91 * time.Minute, false},
+		{dedupactivity.Options{PartitionInterval: time.Hour, PartitionsAhead: 48}, 24 * time.Hour, true},
+		{dedupactivity.Options{PartitionInterval: time.Hour, PartitionsAhead: 1}, time.Hour, false},
+	} {
+		c.opts.Table = "unmigrated"
+		d, err := dedupactivity.New(b.pool, c.opts)
+		require.NoError(t, err)
+		rec := scheduleRecorder{sc: &createdSchedules{}}
+		err = dedupactivity.EnsurePruneSchedule(context.Background(), rec, d, "prune", "q", c.interval)
+		if c.ok {
+			require.NoError(t, err, "%+v", c)
+			require.Len(t, rec.sc.created, 1, "%+v", c)
+			continue
+		}
+		require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions, "%+v", c)
+		require.Empty(t, rec.sc.created, "%+v", c)
+	}
 }

@@ -143,7 +143,9 @@ type Options struct {
 	PartitionInterval time.Duration
 
 	// PartitionsAhead is how many future partitions Migrate and Prune keep
-	// ready in the partitioned layout.
+	// ready in the partitioned layout. Prune at least twice within them:
+	// EnsurePruneSchedule refuses an interval over half of PartitionsAhead
+	// x PartitionInterval.
 	//
 	// Defaults to 3.
 	PartitionsAhead int

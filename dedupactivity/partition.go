@@ -16,6 +16,16 @@ import (
 // kept short and the work is retried at the next run.
 const partitionLockTimeout = 500 * time.Millisecond
 
+// attachAhead is how far ahead of now a range must start for its partition
+// to be made as a table of its own and then attached. ATTACH PARTITION
+// takes a lock on the table that claims do not wait for (SHARE UPDATE
+// EXCLUSIVE, not CREATE TABLE ... PARTITION OF's ACCESS EXCLUSIVE), but a
+// claim routed to the default partition while it runs would fail on the new
+// range's row: so only ranges no delivery can be scheduled in yet are made
+// that way, with a minute's margin for the clocks of the workers, the
+// Temporal server and PostgreSQL.
+const attachAhead = time.Minute
+
 // ensurePartitions creates, in the partitioned layout, the partitions
 // covering the current interval and the next PartitionsAhead ones (those
 // that do not exist yet). A range whose rows already sit in the default
@@ -24,6 +34,12 @@ const partitionLockTimeout = 500 * time.Millisecond
 // on them (an ERROR in the server log at each Prune) after reading the
 // default partition while holding the lock claims wait for. It returns how
 // many partitions it created; in the default layout it does nothing.
+//
+// A partition whose lock was not granted within partitionLockTimeout (a
+// claim, or a reader, held the table that long) is left to the next run,
+// unless its range starts within the next PartitionInterval: then the error
+// is returned, so that the run fails and is retried before deliveries go to
+// the default partition.
 func (d *Deduper) ensurePartitions(ctx context.Context) (int, error) {
 	iv := d.opts.PartitionInterval
 	if iv <= 0 {
@@ -41,7 +57,8 @@ func (d *Deduper) ensurePartitions(ctx context.Context) (int, error) {
 		have[p.name] = true
 	}
 	created := 0
-	start := time.Now().Truncate(iv)
+	now := time.Now()
+	start := now.Truncate(iv)
 	for i := 0; i <= d.opts.PartitionsAhead; i++ {
 		lo := start.Add(time.Duration(i) * iv)
 		name := d.opts.Table + "_p" + strconv.FormatInt(lo.Unix(), 10)
@@ -55,17 +72,24 @@ func (d *Deduper) ensurePartitions(ctx context.Context) (int, error) {
 		if behind {
 			continue
 		}
-		sql := d.store.createPartition(d.qualify(name), lo, lo.Add(iv))
+		ddl := []string{d.store.createPartition(d.qualify(name), lo, lo.Add(iv))}
+		if lo.After(now.Add(attachAhead)) {
+			ddl = d.store.attachPartition(d.qualify(name), lo, lo.Add(iv))
+		}
 		err := d.maintain(ctx, func(tx pgx.Tx) error {
-			_, err := tx.Exec(ctx, sql)
-			return err
+			for _, sql := range ddl {
+				if _, err := tx.Exec(ctx, sql); err != nil {
+					return err
+				}
+			}
+			return nil
 		})
 		switch state := sqlState(err); {
 		case err == nil:
 			created++
 		case state == stateDuplicateTable: // another worker made it
 		case state == stateCheckViolation: // rows came to the default partition since it was read: leave the range there
-		case state == stateLockNotAvailable: // next run
+		case state == stateLockNotAvailable && lo.After(now.Add(iv)): // next run
 		case state == stateInvalidObjectDefinition:
 			return created, fmt.Errorf("%w: partition %s would overlap an existing one: the table's partitions were made with another PartitionInterval; give Options the table's: %w", ErrInvalidOptions, name, err)
 		default:
@@ -106,22 +130,32 @@ func (d *Deduper) partitions(ctx context.Context) ([]partition, error) {
 }
 
 // dropExpiredPartitions drops range partitions whose scheduled-time range is
-// over and whose markers have all expired. Each is first read without the
-// table lock, stopping at its first live marker, so a partition still in
-// its retention (most of them) is passed over without blocking claims; one
-// that looks expired is detached and checked again in one transaction
-// holding the table lock, so no claim can insert into it between the check
-// and the drop. progress (if not nil) is called with the count so far
-// before each past partition is read.
+// over and whose markers have all expired. Each is first read without any
+// lock, stopping at its first live marker, so a partition still in its
+// retention (most of them) is passed over without blocking claims. One that
+// looks expired is checked again in a transaction that holds the
+// partition's own lock, which only claims of its range (deliveries
+// scheduled that long ago) and retries' result updates wait for, and then
+// detached and dropped: the table's lock, which every claim waits for, is
+// held for the detach and the drop alone, which read no rows. A claim of
+// the partition's range that holds the table's lock meanwhile ends the
+// transaction at its lock timeout, and the partition is left to the next
+// run. progress (if not nil) is called with the count so far before each
+// past partition is read. A partition that cannot be read or dropped does
+// not stop the others: their errors are returned together.
 func (d *Deduper) dropExpiredPartitions(ctx context.Context, progress func(deleted int64)) (int64, error) {
 	parts, err := d.partitions(ctx)
 	if err != nil {
 		return 0, err
 	}
 	var deleted int64
+	var errs []error
 	for _, p := range parts {
 		if p.hi.After(time.Now()) {
 			continue
+		}
+		if err := ctx.Err(); err != nil {
+			return deleted, errors.Join(append(errs, err)...)
 		}
 		if progress != nil {
 			progress(deleted)
@@ -131,7 +165,8 @@ func (d *Deduper) dropExpiredPartitions(ctx context.Context, progress func(delet
 			if sqlState(err) == stateUndefinedTable && d.gone(ctx, p.name) {
 				continue // another pruner dropped it since the list was read
 			}
-			return deleted, fmt.Errorf("dedupactivity: read partition %s: %w", p.name, interpretError(err, false))
+			errs = append(errs, fmt.Errorf("dedupactivity: read partition %s: %w", p.name, interpretError(err, false)))
+			continue
 		}
 		if live {
 			continue
@@ -140,7 +175,7 @@ func (d *Deduper) dropExpiredPartitions(ctx context.Context, progress func(delet
 		errKeep := errors.New("keep")
 		err := d.maintain(ctx, func(tx pgx.Tx) error {
 			name := d.qualify(p.name)
-			if _, err := tx.Exec(ctx, d.store.detachPartition(name)); err != nil {
+			if _, err := tx.Exec(ctx, lockPartitionSQL(name)); err != nil {
 				return err
 			}
 			var live bool
@@ -149,6 +184,9 @@ func (d *Deduper) dropExpiredPartitions(ctx context.Context, progress func(delet
 			}
 			if live {
 				return errKeep // roll back: the partition stays attached
+			}
+			if _, err := tx.Exec(ctx, d.store.detachPartition(name)); err != nil {
+				return err
 			}
 			_, err := tx.Exec(ctx, dropTableSQL(name))
 			return err
@@ -161,10 +199,10 @@ func (d *Deduper) dropExpiredPartitions(ctx context.Context, progress func(delet
 			// Another pruner detached or dropped it meanwhile ("is not a
 			// partition", or no such table).
 		default:
-			return deleted, fmt.Errorf("dedupactivity: drop partition %s: %w", p.name, err)
+			errs = append(errs, fmt.Errorf("dedupactivity: drop partition %s: %w", p.name, err))
 		}
 	}
-	return deleted, nil
+	return deleted, errors.Join(errs...)
 }
 
 // gone says whether the partition name is no longer attached to the marker

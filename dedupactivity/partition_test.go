@@ -2,8 +2,9 @@ package dedupactivity_test
 
 import (
 	"context"
-	"strconv"
+		"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -216,22 +217,22 @@ func expiredPartition(t *testing.T) (*testBundle, dedupactivity.Options) {
 	return b, opts
 }
 
-// TestPartitionDroppedWhileAPrunerWaitsToDetachIt: a pruner that read a
-// partition as expired, then waited for the table lock to detach it while
-// another transaction detached and dropped it, passes over it.
-func TestPartitionDroppedWhileAPrunerWaitsToDetachIt(t *testing.T) {
+// TestPartitionDroppedWhileAPrunerWaitsToLockIt: a pruner that read a
+// partition as expired, then waited for the partition's lock while another
+// transaction detached and dropped it, passes over it.
+func TestPartitionDroppedWhileAPrunerWaitsToLockIt(t *testing.T) {
 	t.Parallel()
 	b, _ := expiredPartition(t)
 	ctx := context.Background()
 	var part string
 	require.NoError(t, b.pool.QueryRow(ctx, `SELECT tableoid::regclass::text FROM dedup_marker`).Scan(&part))
 
-	// The table alone, not its partitions: the pruner reads the partition,
-	// then waits to detach it.
+	// A claim's lock on the partition (ROW EXCLUSIVE): the pruner reads the
+	// partition, then waits to lock it against writes.
 	tx, err := b.pool.Begin(ctx)
 	require.NoError(t, err)
 	defer func() { _ = tx.Rollback(ctx) }()
-	_, err = tx.Exec(ctx, `LOCK TABLE ONLY dedup_marker IN ACCESS EXCLUSIVE MODE`)
+	_, err = tx.Exec(ctx, `LOCK TABLE `+part+` IN ROW EXCLUSIVE MODE`)
 	require.NoError(t, err)
 	type pruned struct {
 		n   int64
@@ -243,8 +244,8 @@ func TestPartitionDroppedWhileAPrunerWaitsToDetachIt(t *testing.T) {
 		done <- pruned{n, err}
 	}()
 	require.Eventually(t, func() bool {
-		return b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%DETACH PARTITION%' || $1 || '%'`, part) == 1
-	}, 5*time.Second, 5*time.Millisecond, "the pruner waits to detach the partition")
+		return b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE 'LOCK TABLE%' || $1 || '%'`, part) == 1
+	}, 5*time.Second, 5*time.Millisecond, "the pruner waits to lock the partition")
 	_, err = tx.Exec(ctx, `ALTER TABLE dedup_marker DETACH PARTITION `+part)
 	require.NoError(t, err)
 	_, err = tx.Exec(ctx, `DROP TABLE `+part)
@@ -281,3 +282,134 @@ func TestTwoPrunersAtOnce(t *testing.T) {
 	require.Zero(t, deleted)
 	require.Zero(t, b.markers(t))
 }
+
+// partitionName is the name of the marker table's partition whose range
+// starts at lo.
+func partitionName(lo time.Time) string { return "dedup_marker_p" + strconv.FormatInt(lo.Unix(), 10) }
+
+// TestPartitionMadeAheadBesideALongClaim: a claim transaction that stays
+// open (a slow effect) does not keep Prune from making a partition ahead:
+// it is attached, under a lock claims do not wait for. CREATE TABLE ...
+// PARTITION OF waited for the claim, held up every claim behind it, and
+// gave up at its lock timeout.
+func TestPartitionMadeAheadBesideALongClaim(t *testing.T) {
+	t.Parallel()
+	iv := time.Hour
+	b := setup(t, dedupactivity.Options{PartitionInterval: iv, PartitionsAhead: 2})
+	ctx := context.Background()
+	ahead := partitionName(time.Now().Truncate(iv).Add(2 * iv)) // at least an hour ahead
+	_, err := b.pool.Exec(ctx, `ALTER TABLE dedup_marker DETACH PARTITION `+ahead+`; DROP TABLE `+ahead)
+	require.NoError(t, err)
+
+	long, err := b.pool.Begin(ctx) // a claim whose effect still runs
+	require.NoError(t, err)
+	defer func() { _ = long.Rollback(ctx) }()
+	_, err = long.Exec(ctx, `INSERT INTO dedup_marker (id_hash, scheduled_at, attempt, expires_at, activity_type)
+		VALUES ('\x01', now(), 1, now() + interval '1 hour', 'T')`)
+	require.NoError(t, err)
+
+	_, err = b.d.Prune(ctx)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), b.count(t, `SELECT count(*) FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid WHERE c.relname = $1 AND i.inhparent = 'dedup_marker'::regclass`, ahead),
+		"the partition ahead is made and attached while the claim runs")
+	require.NoError(t, long.Commit(ctx))
+	// Attached, it takes its range's markers and the primary key's
+	// uniqueness: a second marker of one event is refused there.
+	_, err = b.pool.Exec(ctx, `INSERT INTO dedup_marker (id_hash, scheduled_at, attempt, expires_at, activity_type)
+		VALUES ('\x02', $1, 1, now(), 'T'), ('\x02', $1, 2, now(), 'T')`, time.Now().Truncate(iv).Add(2*iv+time.Minute))
+	require.Equal(t, "23505", sqlStateOf(err), "%v", err)
+}
+
+// lockSpy records, when the drop's check of a partition starts, whether
+// the pruner's transaction holds a lock on the marker table itself.
+type lockSpy struct {
+	pool *pgxpool.Pool // another connection, to read pg_locks
+	mu   sync.Mutex
+	held []bool // one per check
+}
+
+func (s *lockSpy) TraceQueryStart(ctx context.Context, conn *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	if !strings.HasPrefix(d.SQL, "SELECT count(*)") {
+		return ctx
+	}
+	var held bool
+	err := s.pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_locks WHERE pid = $1 AND granted AND relation = 'dedup_marker'::regclass AND mode <> 'AccessShareLock')`,
+		conn.PgConn().PID()).Scan(&held)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.held = append(s.held, held || err != nil)
+	return ctx
+}
+
+func (s *lockSpy) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// TestDropChecksThePartitionWithoutTheTableLock: the check of an expired
+// partition, which reads all its rows, holds the partition's lock only; the
+// table's lock, which every claim waits for, is taken for the detach, after
+// it. Detached first, the partition was read while every claim waited.
+func TestDropChecksThePartitionWithoutTheTableLock(t *testing.T) {
+	t.Parallel()
+	b, opts := expiredPartition(t)
+	ctx := context.Background()
+	cfg, err := pgxpool.ParseConfig(b.schema.URL)
+	require.NoError(t, err)
+	spy := &lockSpy{pool: b.pool}
+	cfg.ConnConfig.Tracer = spy
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	d, err := dedupactivity.New(pool, opts)
+	require.NoError(t, err)
+	n, err := d.Prune(ctx)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), n, "the partition is dropped")
+	spy.mu.Lock()
+	defer spy.mu.Unlock()
+	require.Equal(t, []bool{false}, spy.held, "the check ran once, without the table's lock")
+}
+
+// TestPruneGoesOnPastAPartitionItCannotRead: a past partition Prune cannot
+// read (here, another transaction holds its lock past the role's
+// statement_timeout; in production, a partition too large to read within
+// it) fails that partition alone: the partitions ahead are made, the
+// default partition is pruned, and the error is returned.
+func TestPruneGoesOnPastAPartitionItCannotRead(t *testing.T) {
+	t.Parallel()
+	iv := time.Hour
+	opts := dedupactivity.Options{PartitionInterval: iv, PartitionsAhead: 2, Retention: time.Minute}
+	b := setup(t, opts)
+	ctx := context.Background()
+	now := time.Now().Truncate(iv)
+	past := now.Add(-48 * iv)
+	_, err := b.pool.Exec(ctx, `CREATE TABLE `+partitionName(past)+` PARTITION OF dedup_marker FOR VALUES FROM ('`+past.UTC().Format(time.RFC3339)+`') TO ('`+past.Add(iv).UTC().Format(time.RFC3339)+`')`)
+	require.NoError(t, err)
+	_, err = b.pool.Exec(ctx, `INSERT INTO dedup_marker (id_hash, scheduled_at, attempt, expires_at, activity_type) VALUES
+		('\x01', $1, 1, now() - interval '1 hour', 'T'), ('\x02', $2, 1, now() - interval '1 hour', 'T')`,
+		past.Add(time.Minute), now.Add(-1000*iv)) // the second to the default partition
+	require.NoError(t, err)
+	ahead := partitionName(now.Add(2 * iv))
+	_, err = b.pool.Exec(ctx, `ALTER TABLE dedup_marker DETACH PARTITION `+ahead+`; DROP TABLE `+ahead)
+	require.NoError(t, err)
+
+	holder, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = holder.Rollback(ctx) }()
+	_, err = holder.Exec(ctx, `LOCK TABLE `+partitionName(past)+` IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+
+	cfg, err := pgxpool.ParseConfig(b.schema.URL)
+	require.NoError(t, err)
+	cfg.ConnConfig.RuntimeParams["statement_timeout"] = "300"
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	d, err := dedupactivity.New(pool, opts)
+	require.NoError(t, err)
+	n, err := d.Prune(ctx)
+	require.ErrorContains(t, err, "read partition "+partitionName(past))
+	require.Equal(t, "57014", sqlStateOf(err), "%v", err)
+	require.Equal(t, int64(1), n, "the default partition's expired marker")
+	require.Equal(t, int64(1), b.count(t, `SELECT count(*) FROM pg_class WHERE relname = $1 AND relnamespace = current_schema()::regnamespace`, ahead), "the partition ahead is made")
+	require.Zero(t, b.count(t, `SELECT count(*) FROM dedup_marker_default`))
+}
+

@@ -2,6 +2,7 @@ package dedupactivity
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
@@ -25,22 +26,31 @@ const pruneBatchSize = 1000
 // ctx is done. Rows locked by a concurrent pruner are skipped, so it is safe
 // to run from many workers at once. It returns how many markers it deleted.
 //
-// In the partitioned layout it drops the partitions whose range is over and
-// whose markers have all expired, makes the partitions ahead, and deletes
-// expired rows of the default partition.
+// In the partitioned layout it makes the partitions ahead, drops the
+// partitions whose range is over and whose markers have all expired, and
+// deletes expired rows of the default partition; each step runs whatever
+// the others' errors, which it returns together. A partition whose lock it
+// could not take within 500ms (a claim, or a reader, held the table that
+// long) is left to the next run, unless its range starts within the next
+// PartitionInterval: that error is returned.
 func (d *Deduper) Prune(ctx context.Context) (int64, error) {
 	return d.prune(ctx, nil)
 }
 
 func (d *Deduper) prune(ctx context.Context, afterBatch func(deleted int64)) (int64, error) {
 	var deleted int64
+	var errs []error
 	if d.opts.PartitionInterval > 0 {
+		// The partitions ahead first, and each step whatever the others'
+		// errors: a partition that cannot be dropped (say, read past the
+		// role's statement_timeout) must not keep the ranges ahead from
+		// being made, nor the default partition from being pruned.
+		if _, err := d.ensurePartitions(ctx); err != nil {
+			errs = append(errs, err)
+		}
 		n, err := d.dropExpiredPartitions(ctx, afterBatch)
 		if err != nil {
-			return 0, err
-		}
-		if _, err := d.ensurePartitions(ctx); err != nil {
-			return n, err
+			errs = append(errs, err)
 		}
 		deleted = n
 		d.tel.markersPruned(ctx, n)
@@ -48,7 +58,8 @@ func (d *Deduper) prune(ctx context.Context, afterBatch func(deleted int64)) (in
 	for {
 		tag, err := d.pool.Exec(ctx, d.store.prune, pruneBatchSize)
 		if err != nil {
-			return deleted, fmt.Errorf("dedupactivity: prune: %w", interpretError(err, false))
+			errs = append(errs, fmt.Errorf("dedupactivity: prune: %w", interpretError(err, false)))
+			return deleted, errors.Join(errs...)
 		}
 		deleted += tag.RowsAffected()
 		d.tel.markersPruned(ctx, tag.RowsAffected())
@@ -56,7 +67,7 @@ func (d *Deduper) prune(ctx context.Context, afterBatch func(deleted int64)) (in
 			afterBatch(deleted)
 		}
 		if tag.RowsAffected() < pruneBatchSize {
-			return deleted, nil
+			return deleted, errors.Join(errs...)
 		}
 	}
 }
@@ -112,9 +123,19 @@ func pruneWorkflow(ctx workflow.Context, activityName string) (PruneResult, erro
 // skipped. It is idempotent and safe to call from every worker at start;
 // when the Schedule exists with another interval, task queue or pruner,
 // it is given these; its other settings stay.
+//
+// interval must be at least 1m. In the partitioned layout it must also let
+// two runs happen within the partitions made ahead (2 x interval <=
+// PartitionsAhead x PartitionInterval), so that one run that cannot make
+// them (see Prune) is made up for before deliveries reach a range without
+// its partition, which sends them to the default partition for good.
 func EnsurePruneSchedule(ctx context.Context, c client.Client, d *Deduper, scheduleID, taskQueue string, interval time.Duration) error {
 	if interval < time.Minute {
 		return fmt.Errorf("%w: prune interval must be at least 1m, got %s", ErrInvalidOptions, interval)
+	}
+	if ahead := time.Duration(d.opts.PartitionsAhead) * d.opts.PartitionInterval; ahead > 0 && 2*interval > ahead {
+		return fmt.Errorf("%w: prune interval %s is more than half of what the partitions made ahead cover (PartitionsAhead %d x PartitionInterval %s): a run that cannot make them would leave deliveries without their partition; prune at least every %s, or raise PartitionsAhead",
+			ErrInvalidOptions, interval, d.opts.PartitionsAhead, d.opts.PartitionInterval, ahead/2)
 	}
 	err := schedule.Ensure(ctx, c, client.ScheduleOptions{
 		ID:      scheduleID,

@@ -212,12 +212,15 @@ func recordVersionSQL(table string) string {
 const (
 	// listPartitionsSQL lists the partitions of $1 with their bounds in
 	// Unix seconds (NULL for the default partition), read back from the
-	// bound's text in the session's own DateStyle and TimeZone.
+	// bound's text in the session's own DateStyle and TimeZone. The bound
+	// is deparsed without its relation (0): it holds constants only, and
+	// given the relation pg_get_expr would wait for its lock, so the list
+	// would wait for a pruner's drop, or a long reader, of any partition.
 	listPartitionsSQL = `SELECT c.relname,
 	extract(epoch FROM substring(b.expr FROM $$FROM \('([^']+)'\)$$)::timestamptz)::float8,
 	extract(epoch FROM substring(b.expr FROM $$TO \('([^']+)'\)$$)::timestamptz)::float8
 FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid,
-	LATERAL (SELECT pg_get_expr(c.relpartbound, c.oid) AS expr) b
+	LATERAL (SELECT pg_get_expr(c.relpartbound, 0) AS expr) b
 WHERE i.inhparent = $1::regclass`
 	setLocalLockTimeoutSQL = `SELECT set_config('lock_timeout', $1, true)`
 )
@@ -227,6 +230,22 @@ func (s *store) createPartition(name string, lo, hi time.Time) string {
 	return fmt.Sprintf(`CREATE TABLE %s PARTITION OF %s FOR VALUES FROM (%s) TO (%s) WITH (fillfactor = 80)`,
 		name, s.table, timeLiteral(lo), timeLiteral(hi))
 }
+
+// attachPartition makes the range partition name for [lo, hi) as a table
+// of its own, then attaches it (see attachAhead). The attach builds the
+// table's primary key index, on no rows, and reads the default partition
+// for rows of the range under that partition's lock, which only claims
+// routed there wait for.
+func (s *store) attachPartition(name string, lo, hi time.Time) []string {
+	return []string{
+		`CREATE TABLE ` + name + ` (LIKE ` + s.table + ` INCLUDING DEFAULTS) WITH (fillfactor = 80)`,
+		fmt.Sprintf(`ALTER TABLE %s ATTACH PARTITION %s FOR VALUES FROM (%s) TO (%s)`, s.table, name, timeLiteral(lo), timeLiteral(hi)),
+	}
+}
+
+// lockPartitionSQL takes a partition's lock against writes (EXCLUSIVE
+// MODE): readers go on, and claims of other ranges take no lock on it.
+func lockPartitionSQL(name string) string { return `LOCK TABLE ` + name + ` IN EXCLUSIVE MODE` }
 
 func (s *store) detachPartition(name string) string {
 	return `ALTER TABLE ` + s.table + ` DETACH PARTITION ` + name
