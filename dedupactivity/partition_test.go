@@ -2,7 +2,7 @@ package dedupactivity_test
 
 import (
 	"context"
-		"strconv"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -412,4 +412,3 @@ func TestPruneGoesOnPastAPartitionItCannotRead(t *testing.T) {
 	require.Equal(t, int64(1), b.count(t, `SELECT count(*) FROM pg_class WHERE relname = $1 AND relnamespace = current_schema()::regnamespace`, ahead), "the partition ahead is made")
 	require.Zero(t, b.count(t, `SELECT count(*) FROM dedup_marker_default`))
 }
-
