@@ -12,6 +12,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 	"go.temporal.io/sdk/activity"
 	"go.temporal.io/sdk/testsuite"
 
@@ -411,4 +413,53 @@ func TestPruneGoesOnPastAPartitionItCannotRead(t *testing.T) {
 	require.Equal(t, int64(1), n, "the default partition's expired marker")
 	require.Equal(t, int64(1), b.count(t, `SELECT count(*) FROM pg_class WHERE relname = $1 AND relnamespace = current_schema()::regnamespace`, ahead), "the partition ahead is made")
 	require.Zero(t, b.count(t, `SELECT count(*) FROM dedup_marker_default`))
+}
+
+// TestOldestMarkerAgeOfPartitions: in the partitioned layout the
+// oldest-marker gauge is read from the catalog and the default partition's
+// expiry index: the oldest range partition's start, or the default
+// partition's oldest marker if older. It reads no range partition, whose
+// rows have no expiry index: one held by another transaction's lock does
+// not keep it from being observed.
+func TestOldestMarkerAgeOfPartitions(t *testing.T) {
+	t.Parallel()
+	iv := time.Hour
+	b := setup(t, dedupactivity.Options{})
+	ctx := context.Background()
+	reader := sdkmetric.NewManualReader()
+	opts := dedupactivity.Options{Table: "parted", PartitionInterval: iv, PartitionsAhead: 1, MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))}
+	d, err := dedupactivity.New(b.pool, opts)
+	require.NoError(t, err)
+	require.NoError(t, d.Migrate(ctx))
+	age := func() []float64 {
+		var rm metricdata.ResourceMetrics
+		require.NoError(t, reader.Collect(ctx, &rm))
+		var got []float64
+		for _, sm := range rm.ScopeMetrics {
+			for _, m := range sm.Metrics {
+				if m.Name == dedupactivity.MetricOldestMarkerAge {
+					for _, dp := range m.Data.(metricdata.Gauge[float64]).DataPoints {
+						got = append(got, dp.Value)
+					}
+				}
+			}
+		}
+		return got
+	}
+	current := time.Now().Truncate(iv)
+	got := age()
+	require.Len(t, got, 1)
+	require.InDelta(t, time.Since(current).Seconds(), got[0], 5, "the current partition's start")
+
+	holder, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = holder.Rollback(ctx) }()
+	_, err = holder.Exec(ctx, `LOCK TABLE parted_p`+strconv.FormatInt(current.Unix(), 10)+` IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+	_, err = b.pool.Exec(ctx, `INSERT INTO parted (id_hash, scheduled_at, attempt, claimed_at, expires_at, activity_type)
+		VALUES ('\x01', now() - interval '30 days', 1, now() - interval '10 days', now(), 'T')`) // to the default partition
+	require.NoError(t, err)
+	got = age()
+	require.Len(t, got, 1, "observed while a range partition is locked")
+	require.InDelta(t, (10 * 24 * time.Hour).Seconds(), got[0], 5, "the default partition's oldest marker")
 }

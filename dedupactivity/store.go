@@ -102,7 +102,10 @@ type store struct {
 	// (one event has one ScheduledTime, so one partition).
 	result string
 	// oldest is the age in seconds of the marker that expires first, read
-	// through the expiry index.
+	// through the expiry index; in the partitioned layout, whose range
+	// partitions have none, the age of the oldest range partition's start
+	// or of the default partition's first-expiring marker, whichever is
+	// older, read from the catalog and the default partition's index.
 	oldest string
 	// inDefault says whether the default partition holds a marker of the
 	// range [$1, $2) (partitioned layout).
@@ -168,6 +171,17 @@ WHERE set_config('lock_timeout', $7, true) IS NOT NULL AND CASE WHEN `+self+` = 
 		prune: `DELETE FROM ` + pruned + ` WHERE ctid = ANY (ARRAY(
 	SELECT ctid FROM ` + pruned + ` WHERE expires_at < now()
 	LIMIT $1 FOR UPDATE SKIP LOCKED))`,
+	}
+	if partitioned {
+		// A partition holds markers claimed from its start on, and is
+		// dropped once its range is over and they have expired: past
+		// Retention plus its width plus the prune interval, pruning is
+		// not keeping up. Bounds are deparsed without the relation (see
+		// listPartitionsSQL), so no partition's lock is waited for.
+		st.oldest = `SELECT extract(epoch FROM now() - least(
+	(SELECT claimed_at FROM ` + defaultPartition + ` ORDER BY expires_at LIMIT 1),
+	(SELECT min(substring(pg_get_expr(c.relpartbound, 0) FROM $$FROM \('([^']+)'\)$$)::timestamptz)
+		FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = ` + self + `)))::float8`
 	}
 	st.stmts = []*stmt{beginStmt, commitStmt, rollbackStmt, st.look, st.insert, st.insertLast, st.complete, st.guard, st.read, st.self}
 	return st

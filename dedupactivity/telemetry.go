@@ -113,7 +113,11 @@ const (
 	// the prune interval, pruning is not keeping up. It is read by one
 	// index-ordered query (ORDER BY expires_at LIMIT 1) per collection
 	// (each scrape or export), bounded to 2s; no observation when the
-	// table is empty or the query fails.
+	// table is empty or the query fails. In the partitioned layout it is
+	// the age of the oldest range partition's start, or of the default
+	// partition's first-expiring marker if older, read from the catalog
+	// and the default partition's index: past Retention plus
+	// PartitionInterval plus the prune interval, pruning is not keeping up.
 	MetricOldestMarkerAge = "dedup.marker.oldest_age"
 )
 
