@@ -149,7 +149,9 @@ type Options struct {
 	// Defaults to false: they pass through without a transaction.
 	RequireKey bool
 
-	// MaxBodyBytes is the largest request body accepted (413 above it).
+	// MaxBodyBytes is the largest request body accepted: a larger one gets
+	// 413 Request Entity Too Large, as one over the limit of an
+	// http.MaxBytesHandler around the middleware does.
 	//
 	// Defaults to DefaultMaxBodyBytes (1 MiB).
 	MaxBodyBytes int64
@@ -301,13 +303,16 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 			writeError(w, http.StatusBadRequest, fmt.Sprintf("%s longer than %d bytes", m.opts.KeyHeader, MaxKeyLength))
 			return
 		}
-		body, err := io.ReadAll(io.LimitReader(r.Body, m.opts.MaxBodyBytes+1))
-		if err != nil {
-			writeError(w, http.StatusBadRequest, "reading body: "+err.Error())
+		body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, m.opts.MaxBodyBytes))
+		var tooLarge *http.MaxBytesError
+		switch {
+		case errors.As(err, &tooLarge):
+			// Over MaxBodyBytes, or over the smaller limit of an
+			// http.MaxBytesHandler around the middleware: the same 413.
+			writeError(w, http.StatusRequestEntityTooLarge, fmt.Sprintf("body larger than %d bytes", tooLarge.Limit))
 			return
-		}
-		if int64(len(body)) > m.opts.MaxBodyBytes {
-			writeError(w, http.StatusRequestEntityTooLarge, fmt.Sprintf("body larger than %d bytes", m.opts.MaxBodyBytes))
+		case err != nil:
+			writeError(w, http.StatusBadRequest, "reading body: "+err.Error())
 			return
 		}
 		sum := sha256.Sum256(body)

@@ -295,9 +295,12 @@ func TestMissingKey(t *testing.T) {
 func TestLimits(t *testing.T) {
 	t.Parallel()
 	b := setup(t, idemhttp.Options{MaxBodyBytes: 10})
-	require.Equal(t, http.StatusRequestEntityTooLarge, b.post(t, "/receipts", "k", strings.Repeat("x", 11)).status)
+	r := b.post(t, "/receipts", "k", strings.Repeat("x", 11))
+	require.Equal(t, http.StatusRequestEntityTooLarge, r.status)
+	require.JSONEq(t, `{"error":"body larger than 10 bytes"}`, r.body)
 	require.Equal(t, http.StatusBadRequest, b.post(t, "/receipts", strings.Repeat("k", 256), `{}`).status)
 	require.Zero(t, b.runs.Load())
+	require.Equal(t, http.StatusCreated, b.post(t, "/receipts", "k", strings.Repeat("x", 10)).status, "a body of MaxBodyBytes is accepted")
 }
 
 func TestStatusHandlerAnswersApplied(t *testing.T) {
@@ -587,4 +590,29 @@ func TestContentEncodingIsReplayed(t *testing.T) {
 		require.Equal(t, "gzip", rec.Header().Get("Content-Encoding"))
 		require.Equal(t, []byte{0x1f, 0x8b}, rec.Body.Bytes())
 	}
+}
+
+// TestBodyOverAnOuterLimitIs413: a body over the limit of an
+// http.MaxBytesHandler around the middleware gets 413, as one over
+// MaxBodyBytes does, not 400; the handler never runs.
+func TestBodyOverAnOuterLimitIs413(t *testing.T) {
+	t.Parallel()
+	_, m := newMiddleware(t, idemhttp.Options{})
+	var runs atomic.Int64
+	srv := httptest.NewServer(http.MaxBytesHandler(m.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		runs.Add(1)
+		w.WriteHeader(http.StatusCreated)
+	})), 10))
+	defer srv.Close()
+	req, err := http.NewRequest(http.MethodPost, srv.URL, strings.NewReader(strings.Repeat("x", 100)))
+	require.NoError(t, err)
+	req.Header.Set("Idempotency-Key", "k")
+	resp, err := srv.Client().Do(req)
+	require.NoError(t, err)
+	b, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	resp.Body.Close()
+	require.Equal(t, http.StatusRequestEntityTooLarge, resp.StatusCode)
+	require.JSONEq(t, `{"error":"body larger than 10 bytes"}`, string(b), "worded as MaxBodyBytes's 413")
+	require.Zero(t, runs.Load())
 }
