@@ -10,10 +10,15 @@
 //   - The first request with a key runs the handler inside a transaction
 //     (Tx gives it the pgx.Tx). A response below 500, other than 408, 409,
 //     425 and 429, commits the handler's writes and is stored: status, the
-//     headers named in Options.ReplayHeaders, and the body.
+//     headers named in Options.ReplayHeaders, the body and the trailers.
+//     It is sent as net/http would send it: with the headers as they were
+//     when the handler wrote its status (one set later is not sent), and
+//     the trailers (declared in the Trailer header, or set with
+//     http.TrailerPrefix) after the body.
 //   - A later request with the same key and the same method, path and body
 //     gets the stored response without running the handler, with the header
-//     Idempotent-Replayed: true.
+//     Idempotent-Replayed: true: the same status, stored headers, body and
+//     trailers.
 //   - The same key with a different method, path or body gets 422
 //     Unprocessable Entity; nothing runs.
 //   - While the first request with a key is still running, a second one
@@ -68,10 +73,13 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"slices"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"golang.org/x/net/http/httpguts"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 	"github.com/dedupactivity/dedupactivity/dedupactivity/outbox"
@@ -156,7 +164,10 @@ type Options struct {
 	// Defaults to DefaultMaxBodyBytes (1 MiB).
 	MaxBodyBytes int64
 
-	// ReplayHeaders are the response headers stored and replayed.
+	// ReplayHeaders are the response headers stored and replayed, as they
+	// were when the handler wrote its status. The Trailer header, which
+	// declares the trailers, is stored whatever this names, and so are the
+	// trailers.
 	//
 	// Defaults to Content-Type, Content-Encoding, Location and ETag.
 	ReplayHeaders []string
@@ -240,11 +251,32 @@ type request struct {
 	Body   string // hex SHA-256
 }
 
-// response is a stored response.
+// response is a handler's response, as sent and, with the headers
+// ReplayHeaders names, as stored (by the data converter, as JSON by
+// default).
 type response struct {
 	Status int
 	Header http.Header
 	Body   []byte
+	// Trailer holds the trailers sent after the body, by name (without
+	// http.TrailerPrefix). Omitted when there are none, so a response
+	// without trailers is stored as before trailers were kept, and one
+	// stored before has none.
+	Trailer http.Header `json:",omitempty"`
+}
+
+// stored is resp as it is stored: of its headers, only those names lists
+// (the ReplayHeaders) and the Trailer header, which declares the trailers
+// stored with it.
+func (resp response) stored(names []string) response {
+	h := http.Header{}
+	for _, n := range append([]string{"Trailer"}, names...) {
+		if v := resp.Header.Values(n); len(v) > 0 {
+			h[http.CanonicalHeaderKey(n)] = v
+		}
+	}
+	resp.Header = h
+	return resp
 }
 
 // passOnError is a handler response that is not stored: one asking for a retry
@@ -252,10 +284,10 @@ type response struct {
 // handler failed, which aborted the transaction so that nothing can be
 // stored with it. The transaction rolls back and the response is passed
 // on; a retry runs the handler again.
-type passOnError struct{ rec *recorder }
+type passOnError struct{ status int }
 
 func (e passOnError) Error() string {
-	return fmt.Sprintf("idemhttp: handler answered %d", e.rec.status)
+	return fmt.Sprintf("idemhttp: handler answered %d", e.status)
 }
 
 // aborted says whether a statement of the handler failed in tx, so that
@@ -318,7 +350,7 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 		sum := sha256.Sum256(body)
 		in := request{Method: r.Method, Path: r.URL.RequestURI(), Body: hex.EncodeToString(sum[:])}
 
-		var first *recorder
+		var first response // the handler's, with every header, when it ran here
 		resp, outcome, err := dedupactivity.Do(r.Context(), m.d, m.identity(m.caller(r), key), in,
 			func(ctx context.Context, tx pgx.Tx, _ request) (response, error) {
 				rec := &recorder{header: http.Header{}}
@@ -326,26 +358,23 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 				r2.Body = io.NopCloser(bytes.NewReader(body))
 				r2.ContentLength = int64(len(body))
 				next.ServeHTTP(rec, r2)
-				if rec.status == 0 {
-					rec.status = http.StatusOK
-				}
+				first = rec.response()
 				// A 2xx after a failed statement stays an error (500): the
 				// handler's writes are gone, so its success cannot be told.
-				if !storable(rec.status) || rec.status >= 300 && aborted(tx) {
-					return response{}, passOnError{rec}
+				if !storable(first.Status) || first.Status >= 300 && aborted(tx) {
+					return response{}, passOnError{first.Status}
 				}
-				first = rec
-				return rec.stored(m.opts.ReplayHeaders), nil
+				return first.stored(m.opts.ReplayHeaders), nil
 			})
 		var pe passOnError
 		switch {
 		case err == nil && outcome == dedupactivity.OutcomeClaimed:
-			writeResponse(w, first.status, first.header, first.body.Bytes())
+			writeResponse(w, first)
 		case err == nil:
 			w.Header().Set(ReplayedHeader, "true")
-			writeResponse(w, resp.Status, resp.Header, resp.Body)
+			writeResponse(w, resp)
 		case errors.As(err, &pe):
-			writeResponse(w, pe.rec.status, pe.rec.header, pe.rec.body.Bytes())
+			writeResponse(w, first)
 		case errors.Is(err, dedupactivity.ErrPayloadMismatch):
 			writeError(w, http.StatusUnprocessableEntity, "this "+m.opts.KeyHeader+" was used with a different request (method, path or body)")
 		case errors.Is(err, dedupactivity.ErrClaimTimeout):
@@ -458,47 +487,97 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 	_ = json.NewEncoder(w).Encode(v)
 }
 
-// recorder buffers the handler's response.
+// recorder buffers the handler's response as net/http would send it: the
+// status, the header as it was when the status was written, the body, and
+// the trailers.
 type recorder struct {
-	header http.Header
+	header http.Header // the handler's, which it may change at any time
+	sent   http.Header // header as of the final status, trailers left out
 	status int
 	body   bytes.Buffer
 }
 
 func (r *recorder) Header() http.Header { return r.header }
 
-// WriteHeader keeps the first final status. An informational one (1xx,
-// such as 103 Early Hints) is not the answer: it is dropped, not stored
-// or sent.
+// WriteHeader keeps the first final status and the header as it is then,
+// which is what net/http sends: a header set later is not sent, only the
+// trailers are, after the body. An informational status (1xx, such as 103
+// Early Hints) is not the answer: it is dropped, not stored or sent.
 func (r *recorder) WriteHeader(status int) {
-	if r.status == 0 && (status < 100 || status >= 200) {
-		r.status = status
+	if r.status != 0 || status >= 100 && status < 200 {
+		return
+	}
+	r.status = status
+	r.sent = r.header.Clone()
+	for k := range r.sent {
+		if strings.HasPrefix(k, http.TrailerPrefix) {
+			delete(r.sent, k) // a trailer, which net/http leaves out of the header
+		}
 	}
 }
 
+// Write buffers b, writing status 200 first if no status was written.
 func (r *recorder) Write(b []byte) (int, error) {
 	if r.status == 0 {
-		r.status = http.StatusOK
+		r.WriteHeader(http.StatusOK)
 	}
 	return r.body.Write(b)
 }
 
-func (r *recorder) stored(names []string) response {
-	h := http.Header{}
-	for _, n := range names {
-		if v := r.header.Values(n); len(v) > 0 {
-			h[http.CanonicalHeaderKey(n)] = v
-		}
+// response is the handler's response once it returned (status 200 if it
+// wrote none, as net/http sends).
+func (r *recorder) response() response {
+	if r.status == 0 {
+		r.WriteHeader(http.StatusOK)
 	}
-	return response{Status: r.status, Header: h, Body: r.body.Bytes()}
+	return response{Status: r.status, Header: r.sent, Body: r.body.Bytes(), Trailer: r.trailers()}
 }
 
-func writeResponse(w http.ResponseWriter, status int, h http.Header, body []byte) {
-	for k, v := range h {
-		w.Header()[k] = v
+// trailers are what net/http sends after the body: the header's keys with
+// http.TrailerPrefix, set at any time, and the names the Trailer header
+// declared as of the status (those a trailer may carry), with the values
+// they have when the handler returned. Nil when there are none.
+func (r *recorder) trailers() http.Header {
+	t := http.Header{}
+	for k, v := range r.header {
+		if name, ok := strings.CutPrefix(k, http.TrailerPrefix); ok {
+			t[name] = slices.Clone(v)
+		}
 	}
-	w.WriteHeader(status)
-	_, _ = w.Write(body)
+	for _, declared := range r.sent["Trailer"] {
+		for name := range strings.SplitSeq(declared, ",") {
+			name = http.CanonicalHeaderKey(strings.TrimSpace(name))
+			if name == "" || !httpguts.ValidTrailerHeader(name) {
+				continue // as net/http skips it
+			}
+			for _, v := range r.header[name] {
+				t.Add(name, v)
+			}
+		}
+	}
+	if len(t) == 0 {
+		return nil
+	}
+	return t
+}
+
+// writeResponse sends resp as its handler would have: the headers, the
+// status, the body, then the trailers. The trailers are set, with
+// http.TrailerPrefix, before the status: net/http then leaves them out of
+// the header and sends them after the body, in a chunked body over
+// HTTP/1.1, whether or not the Trailer header declared them. (Set only
+// after a short body, an undeclared one would be dropped: the body is no
+// longer chunked once its length is known.)
+func writeResponse(w http.ResponseWriter, resp response) {
+	h := w.Header()
+	for k, v := range resp.Header {
+		h[k] = v
+	}
+	for k, v := range resp.Trailer {
+		h[http.TrailerPrefix+k] = v
+	}
+	w.WriteHeader(resp.Status)
+	_, _ = w.Write(resp.Body)
 }
 
 // storable says whether a response is kept for replay, with the handler's

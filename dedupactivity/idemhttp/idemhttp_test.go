@@ -6,6 +6,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
+	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
@@ -17,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
@@ -615,4 +617,132 @@ func TestBodyOverAnOuterLimitIs413(t *testing.T) {
 	require.Equal(t, http.StatusRequestEntityTooLarge, resp.StatusCode)
 	require.JSONEq(t, `{"error":"body larger than 10 bytes"}`, string(b), "worded as MaxBodyBytes's 413")
 	require.Zero(t, runs.Load())
+}
+
+// TestResponseIsSentAsNetHTTPSendsIt: the first response carries the
+// header as it was when the handler wrote its status (a header set later
+// is not sent, and one set between a 103 and the status is), and the
+// trailers after the body, declared or with http.TrailerPrefix, not as
+// headers; a replay gives the same status, headers, body and trailers.
+// Over HTTP/1.1 and HTTP/2, and with an undeclared trailer alone after a
+// short body, which a replay sends too.
+func TestResponseIsSentAsNetHTTPSendsIt(t *testing.T) {
+	t.Parallel()
+	handlers := map[string]struct {
+		h       http.HandlerFunc
+		trailer http.Header
+	}{
+		"declared": {func(w http.ResponseWriter, r *http.Request) {
+			w.Header().Set("Link", "</style.css>; rel=preload")
+			w.WriteHeader(http.StatusEarlyHints) // dropped: not the answer
+			w.Header().Set("Trailer", "X-Sum")
+			w.Header().Set("Content-Type", "text/plain")
+			w.Header().Set("X-Early", "1")
+			w.Header().Set(http.TrailerPrefix+"X-Known-Early", "e") // a trailer, though set before the status
+			w.WriteHeader(http.StatusCreated)
+			w.Header().Set("X-Late", "1") // net/http would not send it
+			_, _ = w.Write([]byte("hello"))
+			w.Header().Set("X-Sum", "5")
+			w.Header().Set(http.TrailerPrefix+"X-Undeclared", "u")
+		}, http.Header{"X-Sum": {"5"}, "X-Known-Early": {"e"}, "X-Undeclared": {"u"}}},
+		"undeclared": {func(w http.ResponseWriter, r *http.Request) {
+			_, _ = w.Write([]byte("hi"))
+			w.Header().Set(http.TrailerPrefix+"X-Only", "o")
+		}, http.Header{"X-Only": {"o"}}},
+	}
+	for name, c := range handlers {
+		for _, h2 := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/h2=%v", name, h2), func(t *testing.T) {
+				t.Parallel()
+				_, m := newMiddleware(t, idemhttp.Options{ReplayHeaders: []string{"Content-Type", "Link", "X-Early", "X-Late", "X-Sum"}})
+				var runs atomic.Int64
+				srv := httptest.NewUnstartedServer(m.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+					runs.Add(1)
+					c.h(w, r)
+				})))
+				if h2 {
+					srv.EnableHTTP2 = true
+					srv.StartTLS()
+				} else {
+					srv.Start()
+				}
+				defer srv.Close()
+				first := sendKeyed(t, srv)
+				again := sendKeyed(t, srv)
+				require.Equal(t, h2, first.proto == 2)
+				require.Equal(t, c.trailer, first.trailer)
+				require.Empty(t, first.header.Get(idemhttp.ReplayedHeader))
+				if name == "declared" {
+					require.Equal(t, http.StatusCreated, first.status)
+					require.Equal(t, "hello", first.body)
+					require.Equal(t, "1", first.header.Get("X-Early"))
+					require.Equal(t, "text/plain", first.header.Get("Content-Type"))
+					require.Empty(t, first.header.Get("X-Late"), "set after the status")
+					require.Empty(t, first.header.Get("X-Sum"), "a trailer, not a header")
+				}
+
+				require.Equal(t, "true", again.header.Get(idemhttp.ReplayedHeader))
+				again.header.Del(idemhttp.ReplayedHeader)
+				require.Equal(t, first, again, "the replay is the first response")
+				require.Equal(t, int64(1), runs.Load())
+			})
+		}
+	}
+}
+
+// sent is a response as a client read it, without its Date.
+type sent struct {
+	proto           int
+	status          int
+	header, trailer http.Header
+	body            string
+}
+
+// sendKeyed posts {} with the key "k" to srv.
+func sendKeyed(t *testing.T, srv *httptest.Server) sent {
+	t.Helper()
+	req, err := http.NewRequest(http.MethodPost, srv.URL, strings.NewReader("{}"))
+	require.NoError(t, err)
+	req.Header.Set("Idempotency-Key", "k")
+	resp, err := srv.Client().Do(req)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	resp.Header.Del("Date")
+	return sent{resp.ProtoMajor, resp.StatusCode, resp.Header, resp.Trailer, string(b)}
+}
+
+// TestResponseStoredWithoutTrailersReplays: a response stored in the shape
+// it had before trailers were kept (no Trailer member) is replayed as it
+// was, with no trailers.
+func TestResponseStoredWithoutTrailersReplays(t *testing.T) {
+	t.Parallel()
+	_, m := newMiddleware(t, idemhttp.Options{})
+	// The shapes idemhttp stores, as they were.
+	type request struct{ Method, Path, Body string }
+	type response struct {
+		Status int
+		Header http.Header
+		Body   []byte
+	}
+	sum := sha256.Sum256([]byte("{}"))
+	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, Namespace: idemhttp.Namespace, ActivityType: idemhttp.DefaultScope, Key: "k"}
+	_, outcome, err := dedupactivity.Do(context.Background(), m.Deduper(), id, request{http.MethodPost, "/", hex.EncodeToString(sum[:])},
+		func(context.Context, pgx.Tx, request) (response, error) {
+			return response{http.StatusCreated, http.Header{"Content-Type": {"text/plain"}}, []byte("old")}, nil
+		})
+	require.NoError(t, err)
+	require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
+
+	srv := httptest.NewServer(m.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		t.Error("the handler ran for a stored key")
+	})))
+	defer srv.Close()
+	got := sendKeyed(t, srv)
+	require.Equal(t, "true", got.header.Get(idemhttp.ReplayedHeader))
+	require.Equal(t, http.StatusCreated, got.status)
+	require.Equal(t, "text/plain", got.header.Get("Content-Type"))
+	require.Equal(t, "old", got.body)
+	require.Nil(t, got.trailer)
 }
