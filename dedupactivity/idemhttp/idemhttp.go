@@ -502,9 +502,18 @@ func (r *recorder) Header() http.Header { return r.header }
 // WriteHeader keeps the first final status and the header as it is then,
 // which is what net/http sends: a header set later is not sent, only the
 // trailers are, after the body. An informational status (1xx, such as 103
-// Early Hints) is not the answer: it is dropped, not stored or sent.
+// Early Hints) is not the answer: it is dropped, not stored or sent. A
+// status that is not three digits panics, as net/http's WriteHeader does:
+// kept, it would commit the handler's writes and then panic as it is sent,
+// on every replay too.
 func (r *recorder) WriteHeader(status int) {
-	if r.status != 0 || status >= 100 && status < 200 {
+	if r.status != 0 {
+		return
+	}
+	if status < 100 || status > 999 {
+		panic(fmt.Sprintf("invalid WriteHeader code %v", status))
+	}
+	if status < 200 {
 		return
 	}
 	r.status = status
@@ -516,10 +525,20 @@ func (r *recorder) WriteHeader(status int) {
 	}
 }
 
-// Write buffers b, writing status 200 first if no status was written.
+// Write buffers b, writing status 200 first if no status was written. As
+// net/http does, it refuses a body after a status that has none (204, 304)
+// with http.ErrBodyNotAllowed; a HEAD answer's body is kept, and dropped
+// as it is sent, so the first response and a replay get the same
+// Content-Length from net/http.
 func (r *recorder) Write(b []byte) (int, error) {
 	if r.status == 0 {
 		r.WriteHeader(http.StatusOK)
+	}
+	if len(b) == 0 {
+		return 0, nil
+	}
+	if r.status == http.StatusNoContent || r.status == http.StatusNotModified {
+		return 0, http.ErrBodyNotAllowed
 	}
 	return r.body.Write(b)
 }

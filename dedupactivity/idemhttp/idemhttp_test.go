@@ -713,6 +713,65 @@ func sendKeyed(t *testing.T, srv *httptest.Server) sent {
 	return sent{resp.ProtoMajor, resp.StatusCode, resp.Header, resp.Trailer, string(b)}
 }
 
+// TestBodilessResponsesAsNetHTTP: a HEAD answer's body is not sent, first
+// or replayed, and both carry the same headers; a 204 refuses a body with
+// http.ErrBodyNotAllowed, as net/http does; a status that is not three
+// digits panics, as net/http's WriteHeader does, before anything commits.
+func TestBodilessResponsesAsNetHTTP(t *testing.T) {
+	t.Parallel()
+	_, m := newMiddleware(t, idemhttp.Options{ReplayHeaders: []string{"Content-Type", "Content-Length"}})
+	writeErr := make(chan error, 1) // the 204's Write; the replay does not run the handler
+	srv := httptest.NewServer(m.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method == http.MethodHead {
+			w.Header().Set("Content-Type", "text/plain")
+			_, _ = w.Write([]byte("hello"))
+			return
+		}
+		w.WriteHeader(http.StatusNoContent)
+		_, err := w.Write([]byte("x"))
+		writeErr <- err
+	})))
+	defer srv.Close()
+	send := func(method string) (*http.Response, string) {
+		req, err := http.NewRequest(method, srv.URL, nil)
+		require.NoError(t, err)
+		req.Header.Set("Idempotency-Key", method)
+		resp, err := srv.Client().Do(req)
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		b, err := io.ReadAll(resp.Body)
+		require.NoError(t, err)
+		resp.Header.Del("Date")
+		return resp, string(b)
+	}
+	first, body := send(http.MethodHead)
+	require.Empty(t, body)
+	again, body := send(http.MethodHead)
+	require.Empty(t, body)
+	require.Equal(t, "true", again.Header.Get(idemhttp.ReplayedHeader))
+	again.Header.Del(idemhttp.ReplayedHeader)
+	require.Equal(t, first.Header, again.Header)
+	require.Equal(t, int64(5), first.ContentLength, "the length of the body the handler wrote, as net/http gives it")
+	require.Equal(t, first.ContentLength, again.ContentLength)
+
+	first, body = send(http.MethodPost)
+	require.Equal(t, http.StatusNoContent, first.StatusCode)
+	require.Empty(t, body)
+	require.ErrorIs(t, <-writeErr, http.ErrBodyNotAllowed)
+	again, body = send(http.MethodPost)
+	require.Equal(t, "true", again.Header.Get(idemhttp.ReplayedHeader))
+	require.Equal(t, http.StatusNoContent, again.StatusCode)
+	require.Empty(t, body)
+
+	bad := m.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(42) }))
+	req := httptest.NewRequest(http.MethodPost, "/x", strings.NewReader("{}"))
+	req.Header.Set("Idempotency-Key", "bad")
+	require.PanicsWithValue(t, "invalid WriteHeader code 42", func() { bad.ServeHTTP(httptest.NewRecorder(), req) })
+	applied, err := m.Applied(context.Background(), "bad")
+	require.NoError(t, err)
+	require.False(t, applied, "rolled back")
+}
+
 // TestResponseStoredWithoutTrailersReplays: a response stored in the shape
 // it had before trailers were kept (no Trailer member) is replayed as it
 // was, with no trailers.
