@@ -391,10 +391,10 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 // what outbox.HTTPSender takes for success. For a key whose stored answer
 // is a 3xx or 4xx, the request was refused for good (a resend gets the
 // same answer replayed): Applied returns false and a *RejectedError, which
-// matches outbox.ErrRejected. Keys are known until their retention ends.
-// The stored response is decoded to read its status, so Applied fails
-// (the reconciler reports the message as unknown) if the data converter can
-// no longer decode it. With Options.Caller, use AppliedFor: Applied then
+// matches outbox.ErrRejected. Keys are known until Prune removes their
+// markers, after their retention. The stored response is decoded to read
+// its status, so Applied fails (the reconciler reports the message as
+// unknown) if the data converter can no longer decode it. With Options.Caller, use AppliedFor: Applied then
 // fails with dedupactivity.ErrInvalidOptions.
 func (m *Middleware) Applied(ctx context.Context, key string) (bool, error) {
 	if m.opts.Caller != nil {

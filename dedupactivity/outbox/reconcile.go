@@ -335,6 +335,13 @@ ORDER BY (state = 'dead' AND requeues >= $3), checked_at NULLS FIRST, id LIMIT $
 		}
 		applied, cerr := rc.cfg.Checker.Applied(ctx, c.d)
 		rejected := errors.Is(cerr, ErrRejected)
+		if cerr != nil && ctx.Err() != nil {
+			// The run was stopped, not answered: the message is neither
+			// reported nor marked checked, which would send it behind
+			// the others for a reason that is not its destination's.
+			rep.Checked--
+			return rep, ctx.Err()
+		}
 		if cerr != nil && !rejected {
 			unresolved("unknown: " + cerr.Error())
 			continue

@@ -503,3 +503,32 @@ func TestReconcilerUnansweredChecksGoLast(t *testing.T) {
 	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE idempotency_key = $1 AND state = 'pending'`, keys[2]))
 	require.Equal(t, 2, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE destination = 'legacy' AND checked_at IS NOT NULL`))
 }
+
+// TestReconcileStoppedDuringACheck: a run whose context ends while the
+// Checker asks about a message returns the context's error; the message is
+// not reported as unknown nor marked checked (which would move it behind
+// the others at the next run).
+func TestReconcileStoppedDuringACheck(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.placeN(t, 2)
+	_, err := b.schema.Pool.Exec(context.Background(), `UPDATE dedup_outbox SET state = 'dead'`)
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	asked := 0
+	rc, err := outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{Checker: outbox.CheckerFunc(func(ctx context.Context, _ outbox.Delivery) (bool, error) {
+		asked++
+		cancel() // the worker stops while the destination is asked
+		<-ctx.Done()
+		return false, ctx.Err()
+	})})
+	require.NoError(t, err)
+	rep, err := rc.Reconcile(ctx)
+	require.ErrorIs(t, err, context.Canceled)
+	require.Equal(t, 1, asked)
+	require.Empty(t, rep.Unresolved)
+	require.Zero(t, rep.Checked)
+	require.Zero(t, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE checked_at IS NOT NULL`))
+	require.Equal(t, 2, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'dead'`), "left as they were")
+}
