@@ -426,7 +426,7 @@ func (d *Deduper) commit(ctx context.Context, conn *pgx.Conn, m *marker) error {
 	d.store.addComplete(t, m, !d.opts.DiscardResults)
 	t.add(commitStmt)
 	t.send(ctx)
-	found, err := completed(t)
+	found, err := d.store.completed(t, !d.opts.DiscardResults)
 	if err != nil {
 		_ = t.close()
 		if err = interpretError(err, false); errors.Is(err, ErrTxEnded) {

@@ -130,8 +130,10 @@ func (d *Deduper) Migrate(ctx context.Context) error {
 	if d.opts.PartitionInterval > 0 {
 		// A role that may claim but does not own the table (see Security in
 		// docs/design.md) leaves the partitions to the pruner, which runs as
-		// the owner; claims go to the default partition meanwhile.
-		if _, err := d.ensurePartitions(ctx); err != nil && sqlState(err) != stateInsufficientPrivilege {
+		// the owner; claims go to the default partition meanwhile. So does a
+		// worker starting while claims hold the lock a partition needs:
+		// Prune fails on it, Migrate at start does not.
+		if _, err := d.ensurePartitions(ctx); err != nil && sqlState(err) != stateInsufficientPrivilege && sqlState(err) != stateLockNotAvailable {
 			return err
 		}
 	}

@@ -18,12 +18,15 @@ const partitionLockTimeout = 500 * time.Millisecond
 
 // attachAhead is how far ahead of now a range must start for its partition
 // to be made as a table of its own and then attached. ATTACH PARTITION
-// takes a lock on the table that claims do not wait for (SHARE UPDATE
-// EXCLUSIVE, not CREATE TABLE ... PARTITION OF's ACCESS EXCLUSIVE), but a
-// claim routed to the default partition while it runs would fail on the new
-// range's row: so only ranges no delivery can be scheduled in yet are made
-// that way, with a minute's margin for the clocks of the workers, the
-// Temporal server and PostgreSQL.
+// takes a lock on the table that claims do not conflict with (SHARE UPDATE
+// EXCLUSIVE, not CREATE TABLE ... PARTITION OF's ACCESS EXCLUSIVE), and
+// ACCESS EXCLUSIVE on the default partition, which only claims routed there
+// and those whose look runs a generic plan (which locks every partition:
+// most first attempts, after a connection's fifth) hold. A claim routed to
+// the default partition while it runs would fail on the new range's row:
+// so only ranges no delivery can be scheduled in yet are made that way,
+// with a minute's margin for the clocks of the workers, the Temporal server
+// and PostgreSQL.
 const attachAhead = time.Minute
 
 // ensurePartitions creates, in the partitioned layout, the partitions
@@ -87,7 +90,7 @@ func (d *Deduper) ensurePartitions(ctx context.Context) (int, error) {
 		switch state := sqlState(err); {
 		case err == nil:
 			created++
-		case state == stateDuplicateTable: // another worker made it
+		case state == stateDuplicateTable, state == stateUniqueViolation: // another worker made it
 		case state == stateCheckViolation: // rows came to the default partition since it was read: leave the range there
 		case state == stateLockNotAvailable && lo.After(now.Add(iv)): // next run
 		case state == stateInvalidObjectDefinition:

@@ -290,10 +290,12 @@ func TestTwoPrunersAtOnce(t *testing.T) {
 func partitionName(lo time.Time) string { return "dedup_marker_p" + strconv.FormatInt(lo.Unix(), 10) }
 
 // TestPartitionMadeAheadBesideALongClaim: a claim transaction that stays
-// open (a slow effect) does not keep Prune from making a partition ahead:
-// it is attached, under a lock claims do not wait for. CREATE TABLE ...
-// PARTITION OF waited for the claim, held up every claim behind it, and
-// gave up at its lock timeout.
+// open (a slow effect, here one that claimed first: a retry's) does not
+// keep Prune from making a partition ahead: it is attached, under a lock
+// on the table that claims do not conflict with. CREATE TABLE ... PARTITION
+// OF waited for the claim, held up every claim behind it, and gave up at
+// its lock timeout. (A first attempt's look with a generic plan holds the
+// default partition's lock, which the attach waits for: see attachAhead.)
 func TestPartitionMadeAheadBesideALongClaim(t *testing.T) {
 	t.Parallel()
 	iv := time.Hour
@@ -462,4 +464,150 @@ func TestOldestMarkerAgeOfPartitions(t *testing.T) {
 	got = age()
 	require.Len(t, got, 1, "observed while a range partition is locked")
 	require.InDelta(t, (10 * 24 * time.Hour).Seconds(), got[0], 5, "the default partition's oldest marker")
+}
+
+// TestPartitionAheadMadeByAnotherWorkerMeanwhile: a pruner that finds
+// another worker making the same partition ahead waits for it, then passes
+// over the partition it made. Without the attach's lock on the table
+// first, its CREATE TABLE failed on the other's catalog row (23505).
+func TestPartitionAheadMadeByAnotherWorkerMeanwhile(t *testing.T) {
+	t.Parallel()
+	iv := time.Hour
+	b := setup(t, dedupactivity.Options{PartitionInterval: iv, PartitionsAhead: 3})
+	ctx := context.Background()
+	lo := time.Now().Truncate(iv).Add(2 * iv)
+	ahead := partitionName(lo)
+	_, err := b.pool.Exec(ctx, `ALTER TABLE dedup_marker DETACH PARTITION `+ahead+`; DROP TABLE `+ahead)
+	require.NoError(t, err)
+
+	other, err := b.pool.Begin(ctx) // the other worker, between its statements
+	require.NoError(t, err)
+	defer func() { _ = other.Rollback(ctx) }()
+	_, err = other.Exec(ctx, `LOCK TABLE ONLY dedup_marker IN SHARE UPDATE EXCLUSIVE MODE`)
+	require.NoError(t, err)
+	_, err = other.Exec(ctx, `CREATE TABLE `+ahead+` (LIKE dedup_marker INCLUDING DEFAULTS) WITH (fillfactor = 80)`)
+	require.NoError(t, err)
+	done := make(chan error, 1)
+	go func() { _, err := b.d.Prune(ctx); done <- err }()
+	require.Eventually(t, func() bool {
+		return b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE 'LOCK TABLE%'`) == 1
+	}, 5*time.Second, 5*time.Millisecond, "the pruner waits for the other worker")
+	_, err = other.Exec(ctx, `ALTER TABLE dedup_marker ATTACH PARTITION `+ahead+` FOR VALUES FROM ('`+lo.UTC().Format(time.RFC3339)+`') TO ('`+lo.Add(iv).UTC().Format(time.RFC3339)+`')`)
+	require.NoError(t, err)
+	require.NoError(t, other.Commit(ctx))
+	require.NoError(t, <-done, "another worker made it")
+
+	// Workers starting together, each making the partitions ahead.
+	for round := range 5 {
+		for i := 2; i <= 3; i++ {
+			name := partitionName(time.Now().Truncate(iv).Add(time.Duration(i) * iv))
+			_, err := b.pool.Exec(ctx, `ALTER TABLE dedup_marker DETACH PARTITION `+name+`; DROP TABLE `+name)
+			require.NoError(t, err)
+		}
+		errs := make(chan error, 4)
+		for range cap(errs) {
+			d, err := dedupactivity.New(b.pool, dedupactivity.Options{PartitionInterval: iv, PartitionsAhead: 3})
+			require.NoError(t, err)
+			go func() { errs <- d.Migrate(ctx) }()
+		}
+		for range cap(errs) {
+			require.NoError(t, <-errs, "round %d", round)
+		}
+	}
+}
+
+// TestMigrateBesideAClaimHoldingAPartitionsLock: a worker that starts while
+// a claim holds the lock the next partition needs (here, a claim routed to
+// the default partition, which the attach locks) starts, and leaves the
+// partition to Prune.
+func TestMigrateBesideAClaimHoldingAPartitionsLock(t *testing.T) {
+	t.Parallel()
+	iv := time.Hour
+	opts := dedupactivity.Options{PartitionInterval: iv, PartitionsAhead: 2}
+	b := setup(t, opts)
+	ctx := context.Background()
+	next := partitionName(time.Now().Truncate(iv).Add(iv))
+	_, err := b.pool.Exec(ctx, `ALTER TABLE dedup_marker DETACH PARTITION `+next+`; DROP TABLE `+next)
+	require.NoError(t, err)
+	long, err := b.pool.Begin(ctx) // a claim whose marker went to the default partition, its effect running
+	require.NoError(t, err)
+	defer func() { _ = long.Rollback(ctx) }()
+	_, err = long.Exec(ctx, `INSERT INTO dedup_marker (id_hash, scheduled_at, attempt, expires_at, activity_type)
+		VALUES ('\x01', now() - interval '1000 hours', 1, now() + interval '1 hour', 'T')`)
+	require.NoError(t, err)
+	d, err := dedupactivity.New(b.pool, opts)
+	require.NoError(t, err)
+	require.NoError(t, d.Migrate(ctx))
+	_, err = d.Prune(ctx)
+	require.ErrorContains(t, err, "create partition "+next, "Prune says it could not make the next partition")
+	require.Equal(t, "55P03", sqlStateOf(err))
+}
+
+// countHook calls fn when the pruner's check of the partition *part starts,
+// holding the partition's lock.
+type countHook struct {
+	part *string
+	fn   func()
+}
+
+func (h countHook) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	if strings.HasPrefix(d.SQL, "SELECT count(*)") && strings.Contains(d.SQL, *h.part) {
+		h.fn()
+	}
+	return ctx
+}
+
+func (countHook) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// TestDropBesideARetrysResultUpdate: a retry's claim (which claims first
+// and stores its result with an UPDATE) of the current range, made while a
+// pruner checks an expired partition under its lock, does not wait for it,
+// even with generic plans: the update is planned for its parameters, so it
+// locks its marker's partition alone. A generic plan locked every
+// partition: the claim waited for the check while holding the table's lock,
+// which the pruner's detach then waited for until its lock timeout, and the
+// partition stayed.
+func TestDropBesideARetrysResultUpdate(t *testing.T) {
+	t.Parallel()
+	b, opts := expiredPartition(t)
+	ctx := context.Background()
+	var part string
+	require.NoError(t, b.pool.QueryRow(ctx, `SELECT tableoid::regclass::text FROM dedup_marker`).Scan(&part))
+
+	ccfg, err := pgxpool.ParseConfig(b.schema.URL)
+	require.NoError(t, err)
+	ccfg.ConnConfig.RuntimeParams["plan_cache_mode"] = "force_generic_plan"
+	cpool, err := pgxpool.NewWithConfig(ctx, ccfg)
+	require.NoError(t, err)
+	t.Cleanup(cpool.Close)
+	claimer, err := dedupactivity.New(cpool, opts)
+	require.NoError(t, err)
+	dedupactivity.SetAfterClaimHook(claimer, func(context.Context, pgx.Tx) error { return nil }) // claims first, as a retry
+	fn := dedupactivity.Wrap(claimer, b.post)
+	_, err = deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1}) // its statements prepared
+	require.NoError(t, err)
+
+	var blocked bool
+	claimDone := make(chan error, 1)
+	pcfg, err := pgxpool.ParseConfig(b.schema.URL)
+	require.NoError(t, err)
+	pcfg.ConnConfig.Tracer = countHook{part: &part, fn: func() {
+		go func() {
+			_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
+			claimDone <- err
+		}()
+		for deadline := time.Now().Add(3 * time.Second); time.Now().Before(deadline) && !blocked && len(claimDone) == 0; time.Sleep(5 * time.Millisecond) {
+			blocked = b.count(t, `SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = $1::regclass`, part) > 0
+		}
+	}}
+	ppool, err := pgxpool.NewWithConfig(ctx, pcfg)
+	require.NoError(t, err)
+	t.Cleanup(ppool.Close)
+	pruner, err := dedupactivity.New(ppool, opts)
+	require.NoError(t, err)
+	_, err = pruner.Prune(ctx)
+	require.NoError(t, err)
+	require.NoError(t, <-claimDone)
+	require.False(t, blocked, "the claim waited for the expired partition's lock")
+	require.Zero(t, b.count(t, `SELECT count(*) FROM pg_class WHERE relname = $1`, part), "the expired partition is dropped")
 }

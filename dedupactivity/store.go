@@ -75,6 +75,14 @@ type store struct {
 	// lock_timeout is not put back. It inserts only into the table the look
 	// read (see store).
 	insertLast *stmt
+	// customPlans makes the rest of the transaction plan its statements
+	// for their parameters (partitioned layout, before complete): a generic
+	// plan of the UPDATE locks every partition, so a claim's result update
+	// would wait for a pruner that holds an expired partition's lock while
+	// the claim holds the table's, which the pruner's detach then waits
+	// for. Planned for its parameters, it locks its marker's partition
+	// alone.
+	customPlans *stmt
 	// complete stores the result in the marker, found by its ctid, after
 	// checking, as guard does, that the transaction is still the claim's,
 	// and that the table is (see store). The checks are an uncorrelated
@@ -184,6 +192,10 @@ WHERE set_config('lock_timeout', $7, true) IS NOT NULL AND CASE WHEN `+self+` = 
 		FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = ` + self + `)))::float8`
 	}
 	st.stmts = []*stmt{beginStmt, commitStmt, rollbackStmt, st.look, st.insert, st.insertLast, st.complete, st.guard, st.read, st.self}
+	if partitioned {
+		st.customPlans = newStmt(`SELECT set_config('plan_cache_mode', 'force_custom_plan', true)`)
+		st.stmts = append(st.stmts, st.customPlans)
+	}
 	return st
 }
 
@@ -252,6 +264,12 @@ func (s *store) createPartition(name string, lo, hi time.Time) string {
 // routed there wait for.
 func (s *store) attachPartition(name string, lo, hi time.Time) []string {
 	return []string{
+		// The attach's lock on the table first: it conflicts with itself,
+		// not with claims, so a second worker making the same partition
+		// waits here and then finds it (42P07), instead of failing on the
+		// first one's catalog row (23505) as its CREATE TABLE would. ONLY:
+		// the table alone, as the attach locks it, not its partitions.
+		`LOCK TABLE ONLY ` + s.table + ` IN SHARE UPDATE EXCLUSIVE MODE`,
 		`CREATE TABLE ` + name + ` (LIKE ` + s.table + ` INCLUDING DEFAULTS) WITH (fillfactor = 80)`,
 		fmt.Sprintf(`ALTER TABLE %s ATTACH PARTITION %s FOR VALUES FROM (%s) TO (%s)`, s.table, name, timeLiteral(lo), timeLiteral(hi)),
 	}
@@ -271,8 +289,8 @@ func anyLiveSQL(name string) string {
 	return `SELECT EXISTS (SELECT 1 FROM ` + name + ` WHERE expires_at >= now())`
 }
 
-// countLiveSQL counts a detached partition's markers and says whether any
-// has not expired.
+// countLiveSQL counts a partition's markers and says whether any has not
+// expired.
 func countLiveSQL(name string) string {
 	return `SELECT count(*), coalesce(max(expires_at) >= now(), false) FROM ` + name
 }
@@ -391,13 +409,22 @@ func (s *store) addComplete(t *trip, m *marker, storeResult bool) {
 		t.add(s.guard)
 		return
 	}
+	if s.customPlans != nil {
+		t.add(s.customPlans)
+	}
 	t.tid(m.ctid).bytea(m.result).text(m.xact)
 	s.scheduledAt(t, m)
 	t.oid(m.table)
 	t.add(s.complete)
 }
 
-func completed(t *trip) (bool, error) {
+// completed reads what addComplete queued.
+func (s *store) completed(t *trip, storeResult bool) (bool, error) {
+	if s.customPlans != nil && storeResult {
+		if _, err := t.exec(); err != nil {
+			return false, err
+		}
+	}
 	tag, err := t.exec()
 	return tag.RowsAffected() == 1, err
 }
