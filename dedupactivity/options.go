@@ -167,9 +167,11 @@ type Options struct {
 	// client.Options (Tally, Prometheus, ...), labelled by the SDK with
 	// activity_type, namespace, task_queue and workflow_type. Names are
 	// dedup_attempts (counter), dedup_claim_duration and
-	// dedup_effect_duration (timers), labelled dedup_outcome and, on
-	// errors, error_type, and dedup_marker_pruned (counter), labelled
-	// dedup_table. Calls of Do outside
+	// dedup_effect_duration (timers), labelled dedup_outcome and
+	// error_type ("" when the attempt succeeded: every emission of a name
+	// carries the same tag keys, which a Prometheus registry requires;
+	// Prometheus stores the empty value as no label), and
+	// dedup_marker_pruned (counter), labelled dedup_table. Calls of Do outside
 	// an activity record through MeterProvider only. To record through the
 	// SDK's handler only, set MeterProvider to noop.NewMeterProvider().
 	//

@@ -341,16 +341,17 @@ func (t *telemetry) end(ctx context.Context, r *record, err error) {
 		t.effect.Record(ctx, r.effectTime.Seconds(), o.record...)
 	}
 	if r.sdk != nil {
-		tags := map[string]string{
+		// error_type is set on every attempt, "" when it succeeded: a
+		// Prometheus registry (Tally's reporter, say) takes one set of
+		// label names per metric name and refuses a second, and Prometheus
+		// stores an empty label as no label.
+		h := r.sdk.WithTags(map[string]string{
 			sdkOutcomeTag:           string(r.outcome),
 			string(activityTypeKey): r.activityType,
 			string(namespaceKey):    r.namespace,
 			string(taskQueueKey):    r.taskQueue,
-		}
-		if errType != "" {
-			tags[sdkErrorTypeTag] = errType
-		}
-		h := r.sdk.WithTags(tags)
+			sdkErrorTypeTag:         errType,
+		})
 		h.Counter(sdkMetricAttempts).Inc(1)
 		h.Timer(sdkMetricClaimDuration).Record(r.claimWait)
 		if r.ranEffect {

@@ -5,6 +5,9 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -403,4 +406,82 @@ func (r activityRegistry) RegisterWorkflowWithOptions(any, workflow.RegisterOpti
 
 func (r activityRegistry) RegisterActivityWithOptions(fn any, o activity.RegisterOptions) {
 	r.env.RegisterActivityWithOptions(fn, o)
+}
+
+// tagKeys is a client.MetricsHandler that records, for each dedup_* metric
+// name, every set of tag keys it was emitted with (the SDK's own tags, from
+// WithTags, included): a Prometheus registry, such as Tally's reporter,
+// takes one set of label names per metric name and refuses any other.
+type tagKeys struct {
+	tags map[string]string
+	rec  *tagKeysRecord
+}
+
+type tagKeysRecord struct {
+	mu   sync.Mutex
+	sets map[string]map[string]bool // metric name -> sorted tag keys, joined
+}
+
+func newTagKeys() tagKeys {
+	return tagKeys{tags: map[string]string{}, rec: &tagKeysRecord{sets: map[string]map[string]bool{}}}
+}
+
+func (h tagKeys) emit(name string) {
+	if !strings.HasPrefix(name, "dedup_") {
+		return // the SDK's own metrics
+	}
+	keys := slices.Sorted(maps.Keys(h.tags))
+	h.rec.mu.Lock()
+	defer h.rec.mu.Unlock()
+	if h.rec.sets[name] == nil {
+		h.rec.sets[name] = map[string]bool{}
+	}
+	h.rec.sets[name][strings.Join(keys, ",")] = true
+}
+
+func (h tagKeys) WithTags(tags map[string]string) client.MetricsHandler {
+	merged := maps.Clone(h.tags)
+	maps.Copy(merged, tags)
+	return tagKeys{tags: merged, rec: h.rec}
+}
+
+func (h tagKeys) Counter(name string) client.MetricsCounter {
+	return metricFunc(func() { h.emit(name) })
+}
+
+func (h tagKeys) Gauge(name string) client.MetricsGauge { return metricFunc(func() { h.emit(name) }) }
+
+func (h tagKeys) Timer(name string) client.MetricsTimer { return metricFunc(func() { h.emit(name) }) }
+
+// metricFunc is a counter, gauge and timer that calls itself on each use.
+type metricFunc func()
+
+func (f metricFunc) Inc(int64)            { f() }
+func (f metricFunc) Update(float64)       { f() }
+func (f metricFunc) Record(time.Duration) { f() }
+
+// TestTemporalMetricsTagKeys: through the SDK's handler, every emission of
+// one metric name carries the same tag keys, whether the attempt succeeded
+// or failed (error_type is "" on success). A Prometheus registry (Tally's
+// reporter) refuses a name registered with other label names: the failed
+// attempts were dropped, or its default error handler panicked in the
+// attempt.
+func TestTemporalMetricsTagKeys(t *testing.T) {
+	t.Parallel()
+	b := setupTelemetry(t, dedupactivity.Options{TemporalMetrics: true})
+	h := newTagKeys()
+	fn := dedupactivity.Wrap(b.d, b.post, dedupactivity.WithBusinessKey(func(Transfer) (string, error) { return "k", nil }))
+	in := Transfer{Account: "a", Amount: 1}
+	require.NoError(t, deliverWithHandler(t, h, "Post", fn, in))                              // claimed
+	require.NoError(t, deliverWithHandler(t, h, "Post", fn, in))                              // duplicate
+	require.Error(t, deliverWithHandler(t, h, "Post", fn, Transfer{Account: "a", Amount: 2})) // payload_mismatch
+
+	h.rec.mu.Lock()
+	defer h.rec.mu.Unlock()
+	for _, name := range []string{"dedup_attempts", "dedup_claim_duration"} {
+		require.Len(t, h.rec.sets[name], 1, "%s: one set of tag keys, got %v", name, h.rec.sets[name])
+		for keys := range h.rec.sets[name] {
+			require.Contains(t, strings.Split(keys, ","), "error_type", name)
+		}
+	}
 }
