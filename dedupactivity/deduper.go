@@ -41,7 +41,7 @@ func New(pool *pgxpool.Pool, opts Options) (*Deduper, error) {
 	if opts.Schema != "" {
 		table = opts.Schema + "." + opts.Table
 	}
-	tel, err := newTelemetry(opts.TracerProvider, opts.MeterProvider, opts.TemporalMetrics, table)
+	tel, err := newTelemetry(opts.TracerProvider, opts.MeterProvider, opts.TemporalMetrics, table, opts.MismatchPolicy)
 	if err != nil {
 		return nil, fmt.Errorf("dedupactivity: telemetry: %w", err)
 	}

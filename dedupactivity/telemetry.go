@@ -94,7 +94,9 @@ const (
 const (
 	// MetricAttempts counts wrapped attempts by dedup.outcome,
 	// activity_type, namespace, task_queue and (on errors) error.type. Unit
-	// {attempt}.
+	// {attempt}. The first attempt of an activity type, namespace and task
+	// queue makes the series of the outcomes and error types known up front
+	// at zero, so that the first of each shows in PromQL's increase().
 	MetricAttempts = "dedup.attempts"
 	// MetricClaimDuration is the time spent claiming an event, in seconds,
 	// with the attributes of MetricAttempts: from the attempt's start to the
@@ -105,7 +107,8 @@ const (
 	// with the attributes of MetricAttempts.
 	MetricEffectDuration = "dedup.effect.duration"
 	// MetricMarkersPruned counts markers deleted by Prune (rows deleted and
-	// rows of dropped partitions), by dedup.table. Unit {marker}.
+	// rows of dropped partitions), by dedup.table, from zero when New
+	// returns. Unit {marker}.
 	MetricMarkersPruned = "dedup.marker.pruned"
 	// MetricOldestMarkerAge is, at each collection, the age in seconds of
 	// the marker that expires first (by dedup.table): with one retention
@@ -191,7 +194,36 @@ type telemetry struct {
 	// cache stops growing at maxCachedSets.
 	setsMu sync.RWMutex
 	sets   map[setKey]measureOpts
+
+	// zeroOutcomes are the outcomes, with their error types, whose
+	// MetricAttempts series an attempt of a new label combination makes
+	// at zero (see seedAttempts).
+	zeroOutcomes []outcomeType
+	// seeded holds the label combinations whose zeroOutcomes series are
+	// made; it stops growing at maxSeeded.
+	seededMu sync.RWMutex
+	seeded   map[seedKey]struct{}
 }
+
+// outcomeType is an outcome and the error.type it comes with ("" for none).
+type outcomeType struct {
+	outcome Outcome
+	errType string
+}
+
+// seedKey is a label combination of MetricAttempts known only when an
+// attempt of it runs. sdk tells the SDK handler's series (whose handler
+// adds workflow_type) from the MeterProvider's.
+type seedKey struct {
+	activityType, namespace, taskQueue, workflowType string
+	sdk                                              bool
+}
+
+// maxSeeded bounds telemetry.seeded: activity types x namespaces x task
+// queues (x workflow types, through the SDK's handler) of one worker stay
+// far below it. Past it, a new combination's series appear with their
+// first attempt, as before.
+const maxSeeded = 1024
 
 // measureOpts is one attribute set as the option lists of the instruments'
 // calls, so a call with a cached set allocates no variadic slice.
@@ -216,10 +248,43 @@ type setKey struct {
 // namespaces x task queues of one worker stay far below it.
 const maxCachedSets = 4096
 
-func newTelemetry(tp trace.TracerProvider, mp metric.MeterProvider, sdkMetrics bool, table string) (*telemetry, error) {
+// zeroOutcomesFor lists the outcomes and error types whose series are made
+// at zero: claimed and duplicate, payload_mismatch without an error under
+// MismatchReturnStored, and each error type of this package's errors
+// (errorClasses) with the outcome it comes with. Errors of other types (an
+// effect's, a SQLSTATE) cannot be known before they happen.
+func zeroOutcomesFor(policy MismatchPolicy) []outcomeType {
+	out := []outcomeType{{OutcomeClaimed, ""}, {OutcomeDuplicate, ""}}
+	if policy == MismatchReturnStored {
+		out = append(out, outcomeType{OutcomePayloadMismatch, ""})
+	}
+	seen := map[string]bool{}
+	for _, c := range errorClasses {
+		if seen[c.typ] {
+			continue
+		}
+		seen[c.typ] = true
+		o := OutcomeError
+		switch c.sentinel {
+		case ErrPayloadMismatch:
+			o = OutcomePayloadMismatch
+		case ErrClaimTimeout:
+			o = OutcomeClaimTimeout
+		}
+		out = append(out, outcomeType{o, c.typ})
+	}
+	return out
+}
+
+// newTelemetry makes the instruments, and the pruned counter's series of
+// table at zero: a counter series that first appears at 1 shows no increase
+// in PromQL's increase() and rate(), which need an earlier sample, so the
+// first prune (or first anything) would never show.
+func newTelemetry(tp trace.TracerProvider, mp metric.MeterProvider, sdkMetrics bool, table string, policy MismatchPolicy) (*telemetry, error) {
 	meter := mp.Meter(ScopeName)
 	t := &telemetry{tracer: tp.Tracer(ScopeName), kindInternal: trace.WithSpanKind(trace.SpanKindInternal),
-		meter: meter, sdkMetrics: sdkMetrics, table: table, sets: make(map[setKey]measureOpts)}
+		meter: meter, sdkMetrics: sdkMetrics, table: table, sets: make(map[setKey]measureOpts),
+		zeroOutcomes: zeroOutcomesFor(policy), seeded: make(map[seedKey]struct{})}
 	var err error
 	if t.attempts, err = meter.Int64Counter(MetricAttempts,
 		metric.WithDescription("Wrapped activity attempts by dedup outcome."),
@@ -242,6 +307,7 @@ func newTelemetry(tp trace.TracerProvider, mp metric.MeterProvider, sdkMetrics b
 		metric.WithUnit("{marker}")); err != nil {
 		return nil, fmt.Errorf("create %s: %w", MetricMarkersPruned, err)
 	}
+	t.pruned.Add(context.Background(), 0, metric.WithAttributes(TableKey.String(table)))
 	return t, nil
 }
 
@@ -274,12 +340,13 @@ func (t *telemetry) observeOldest(d *Deduper) error {
 	return nil
 }
 
-// markersPruned records n markers pruned.
+// markersPruned records n markers pruned. The MeterProvider's series is
+// made at zero by newTelemetry; the SDK handler's, which only an activity
+// has, by the first prune activity, whatever it deletes.
 func (t *telemetry) markersPruned(ctx context.Context, n int64) {
-	if n == 0 {
-		return
+	if n > 0 {
+		t.pruned.Add(ctx, n, metric.WithAttributes(TableKey.String(t.table)))
 	}
-	t.pruned.Add(ctx, n, metric.WithAttributes(TableKey.String(t.table)))
 	if t.sdkMetrics && activity.IsActivity(ctx) {
 		activity.GetMetricsHandler(ctx).WithTags(map[string]string{sdkTableTag: t.table}).Counter(sdkMetricMarkersPruned).Inc(n)
 	}
@@ -292,6 +359,7 @@ type record struct {
 	namespace     string
 	taskQueue     string
 	sdk           client.MetricsHandler // nil unless Options.TemporalMetrics and an activity
+	workflowType  string                // set with sdk: the SDK's handler is labelled with it
 	outcome       Outcome
 	claimWait     time.Duration
 	effectTime    time.Duration
@@ -308,6 +376,9 @@ func (t *telemetry) start(ctx context.Context, info activity.Info, id Identity, 
 	r := &record{activityType: info.ActivityType.Name, namespace: cmp.Or(info.Namespace, id.Namespace), taskQueue: info.TaskQueue}
 	if t.sdkMetrics && activity.IsActivity(ctx) {
 		r.sdk = activity.GetMetricsHandler(ctx)
+		if info.WorkflowType != nil {
+			r.workflowType = info.WorkflowType.Name
+		}
 	}
 	var hashHex [2 * len(hash)]byte
 	hex.Encode(hashHex[:], hash[:])
@@ -345,13 +416,8 @@ func (t *telemetry) end(ctx context.Context, r *record, err error) {
 		// Prometheus registry (Tally's reporter, say) takes one set of
 		// label names per metric name and refuses a second, and Prometheus
 		// stores an empty label as no label.
-		h := r.sdk.WithTags(map[string]string{
-			sdkOutcomeTag:           string(r.outcome),
-			string(activityTypeKey): r.activityType,
-			string(namespaceKey):    r.namespace,
-			string(taskQueueKey):    r.taskQueue,
-			sdkErrorTypeTag:         errType,
-		})
+		t.seedSDKAttempts(r)
+		h := r.sdk.WithTags(t.sdkTags(r, r.outcome, errType))
 		h.Counter(sdkMetricAttempts).Inc(1)
 		h.Timer(sdkMetricClaimDuration).Record(r.claimWait)
 		if r.ranEffect {
@@ -377,8 +443,26 @@ func (t *telemetry) end(ctx context.Context, r *record, err error) {
 	r.span.End()
 }
 
+// sdkTags are the tags of an attempt's metrics through the SDK's handler.
+// error_type is set on every attempt, "" when it succeeded: a Prometheus
+// registry (Tally's reporter, say) takes one set of label names per metric
+// name and refuses a second, and Prometheus stores an empty label as no
+// label.
+func (t *telemetry) sdkTags(r *record, outcome Outcome, errType string) map[string]string {
+	return map[string]string{
+		sdkOutcomeTag:           string(outcome),
+		string(activityTypeKey): r.activityType,
+		string(namespaceKey):    r.namespace,
+		string(taskQueueKey):    r.taskQueue,
+		sdkErrorTypeTag:         errType,
+	}
+}
+
 // metricAttrs returns the attributes of an attempt's metrics: outcome,
 // activity type, namespace, task queue and, when it failed, error.type.
+// An attempt whose set is not cached (its combination's first of that
+// outcome, or a failure) also makes the combination's zeroOutcomes series
+// (seedAttempts); a cached one has had them made.
 func (t *telemetry) metricAttrs(r *record, errType string) measureOpts {
 	k := setKey{r.outcome, r.activityType, r.namespace, r.taskQueue}
 	full := true
@@ -391,16 +475,11 @@ func (t *telemetry) metricAttrs(r *record, errType string) measureOpts {
 			return o
 		}
 	}
-	kv := []attribute.KeyValue{
-		OutcomeKey.String(string(r.outcome)),
-		activityTypeKey.String(r.activityType),
-		namespaceKey.String(r.namespace),
-		taskQueueKey.String(r.taskQueue),
-	}
+	t.seedAttempts(r)
+	o := newMeasureOpts(attribute.NewSet(attemptAttrs(r.outcome, r.activityType, r.namespace, r.taskQueue, errType)...))
 	if errType != "" {
-		return newMeasureOpts(attribute.NewSet(append(kv, errorTypeKey.String(errType))...))
+		return o // error types are not cached
 	}
-	o := newMeasureOpts(attribute.NewSet(kv...))
 	if !full {
 		t.setsMu.Lock()
 		if len(t.sets) < maxCachedSets {
@@ -409,6 +488,68 @@ func (t *telemetry) metricAttrs(r *record, errType string) measureOpts {
 		t.setsMu.Unlock()
 	}
 	return o
+}
+
+// attemptAttrs are the attributes of MetricAttempts and the histograms:
+// error.type only when errType is not "".
+func attemptAttrs(outcome Outcome, activityType, namespace, taskQueue, errType string) []attribute.KeyValue {
+	kv := []attribute.KeyValue{
+		OutcomeKey.String(string(outcome)),
+		activityTypeKey.String(activityType),
+		namespaceKey.String(namespace),
+		taskQueueKey.String(taskQueue),
+	}
+	if errType != "" {
+		kv = append(kv, errorTypeKey.String(errType))
+	}
+	return kv
+}
+
+// firstSeen says whether k is new, and records it unless maxSeeded
+// combinations are recorded already (then it says false).
+func (t *telemetry) firstSeen(k seedKey) bool {
+	t.seededMu.RLock()
+	_, ok := t.seeded[k]
+	full := len(t.seeded) >= maxSeeded
+	t.seededMu.RUnlock()
+	if ok || full {
+		return false
+	}
+	t.seededMu.Lock()
+	defer t.seededMu.Unlock()
+	if _, ok := t.seeded[k]; ok || len(t.seeded) >= maxSeeded {
+		return false
+	}
+	t.seeded[k] = struct{}{}
+	return true
+}
+
+// seedAttempts makes the MetricAttempts series of zeroOutcomes at zero for
+// r's activity type, namespace and task queue, the first time an attempt of
+// them ends. A counter series that first appears at 1 shows no increase in
+// PromQL's increase() and rate(), which need an earlier sample: without
+// these, the first payload mismatch or claim timeout of an activity type
+// would never show on a dashboard or in an alert. Its histograms are left
+// alone (an observation cannot be zero).
+func (t *telemetry) seedAttempts(r *record) {
+	if !t.firstSeen(seedKey{activityType: r.activityType, namespace: r.namespace, taskQueue: r.taskQueue}) {
+		return
+	}
+	ctx := context.Background() // not the attempt's: a zero has no exemplar
+	for _, z := range t.zeroOutcomes {
+		t.attempts.Add(ctx, 0, metric.WithAttributeSet(attribute.NewSet(attemptAttrs(z.outcome, r.activityType, r.namespace, r.taskQueue, z.errType)...)))
+	}
+}
+
+// seedSDKAttempts is seedAttempts for the SDK handler's dedup_attempts,
+// whose series also carry the workflow type.
+func (t *telemetry) seedSDKAttempts(r *record) {
+	if !t.firstSeen(seedKey{activityType: r.activityType, namespace: r.namespace, taskQueue: r.taskQueue, workflowType: r.workflowType, sdk: true}) {
+		return
+	}
+	for _, z := range t.zeroOutcomes {
+		r.sdk.WithTags(t.sdkTags(r, z.outcome, z.errType)).Counter(sdkMetricAttempts).Inc(0)
+	}
 }
 
 // errorType is the error.type of err (see errorTypeKey).

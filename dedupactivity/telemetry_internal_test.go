@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -13,6 +14,7 @@ import (
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 	tracenoop "go.opentelemetry.io/otel/trace/noop"
 	"go.temporal.io/sdk/activity"
+	temporalotel "go.temporal.io/sdk/contrib/opentelemetry"
 )
 
 // TestMetricAttrsCache counts attempts of two activity types, each twice
@@ -21,7 +23,7 @@ import (
 // stops growing at maxCachedSets.
 func TestMetricAttrsCache(t *testing.T) {
 	reader := sdkmetric.NewManualReader()
-	tel, err := newTelemetry(tracenoop.NewTracerProvider(), sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)), false, "t")
+	tel, err := newTelemetry(tracenoop.NewTracerProvider(), sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)), false, "t", MismatchReject)
 	require.NoError(t, err)
 	ctx := context.Background()
 	end := func(activityType string, outcome Outcome, err error) {
@@ -50,7 +52,9 @@ func TestMetricAttrsCache(t *testing.T) {
 			switch d := m.Data.(type) {
 			case metricdata.Sum[int64]:
 				for _, dp := range d.DataPoints {
-					add(dp.Attributes, dp.Value)
+					if dp.Value != 0 { // not the series made at zero
+						add(dp.Attributes, dp.Value)
+					}
 				}
 			case metricdata.Histogram[float64]:
 				for _, dp := range d.DataPoints {
@@ -76,7 +80,7 @@ func TestMetricAttrsCache(t *testing.T) {
 // a span that is not recorded, and the instruments' variadic options, are not
 // built.
 func TestTelemetryAllocations(t *testing.T) {
-	tel, err := newTelemetry(tracenoop.NewTracerProvider(), metricnoop.NewMeterProvider(), false, "t")
+	tel, err := newTelemetry(tracenoop.NewTracerProvider(), metricnoop.NewMeterProvider(), false, "t", MismatchReject)
 	require.NoError(t, err)
 	ctx := context.Background()
 	info := activity.Info{ActivityType: activity.Type{Name: "A"}, Namespace: "ns", TaskQueue: "q", Attempt: 1}
@@ -94,4 +98,90 @@ func TestTelemetryAllocations(t *testing.T) {
 	// the options' slice, and the context holding the span.
 	require.LessOrEqual(t, testing.AllocsPerRun(100, attempt), 7.0,
 		"more allocations per attempt: if an upgrade of Go or OpenTelemetry added them, measure again and update the bound and the comment above")
+}
+
+// collectSums returns the int64 sums of reader by metric name, each point
+// keyed by its attributes as "k=v,k=v" (sorted by key).
+func collectSums(t *testing.T, reader *sdkmetric.ManualReader) map[string]map[string]int64 {
+	t.Helper()
+	var rm metricdata.ResourceMetrics
+	require.NoError(t, reader.Collect(context.Background(), &rm))
+	out := map[string]map[string]int64{}
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			sum, ok := m.Data.(metricdata.Sum[int64])
+			if !ok {
+				continue
+			}
+			for _, dp := range sum.DataPoints {
+				var kv []string
+				for _, a := range dp.Attributes.ToSlice() {
+					kv = append(kv, string(a.Key)+"="+a.Value.String())
+				}
+				if out[m.Name] == nil {
+					out[m.Name] = map[string]int64{}
+				}
+				out[m.Name][strings.Join(kv, ",")] += dp.Value
+			}
+		}
+	}
+	return out
+}
+
+// TestSeriesStartAtZero: the pruned counter's series of the table exists
+// at zero once the telemetry is made, and the first attempt of an activity
+// type, namespace and task queue makes the attempt counter's series of the
+// outcomes and error types known up front at zero, through the
+// MeterProvider and the SDK's handler (whose series carry the workflow
+// type): PromQL's increase() and rate() see no increase in a series that
+// first appears at 1, so the first payload mismatch, claim timeout or prune
+// would never show. The set of combinations is bounded.
+func TestSeriesStartAtZero(t *testing.T) {
+	reader := sdkmetric.NewManualReader()
+	tel, err := newTelemetry(tracenoop.NewTracerProvider(), sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)), true, "s.t", MismatchReject)
+	require.NoError(t, err)
+	require.Equal(t, map[string]map[string]int64{MetricMarkersPruned: {"dedup.table=s.t": 0}}, collectSums(t, reader))
+
+	sdkReader := sdkmetric.NewManualReader()
+	sdk := temporalotel.NewMetricsHandler(temporalotel.MetricsHandlerOptions{
+		Meter: sdkmetric.NewMeterProvider(sdkmetric.WithReader(sdkReader)).Meter("temporal-sdk-go"), UseMonotonicCounters: true,
+	}).WithTags(map[string]string{"workflow_type": "W"}) // as the SDK tags an activity's handler
+	ctx := context.Background()
+	end := func(activityType string, outcome Outcome, err error) {
+		_, span := tel.tracer.Start(ctx, "x")
+		tel.end(ctx, &record{span: span, activityType: activityType, namespace: "ns", taskQueue: "q", outcome: outcome,
+			sdk: sdk, workflowType: "W"}, err)
+	}
+	end("A", OutcomeClaimed, nil)
+	end("A", OutcomeClaimed, nil)
+
+	zero := []string{"claimed/", "duplicate/", "payload_mismatch/DedupPayloadMismatch", "claim_timeout/DedupClaimTimeout",
+		"error/DedupInvalidUsage", "error/DedupResultTooLarge", "error/DedupEncoding", "error/DedupNotMigrated", "error/DedupReadOnly"}
+	want := map[string]int64{}
+	sdkWant := map[string]int64{}
+	for _, z := range zero {
+		o, et, _ := strings.Cut(z, "/")
+		k := "activity_type=A,dedup.outcome=" + o
+		if et != "" {
+			k += ",error.type=" + et
+		}
+		want[k+",namespace=ns,task_queue=q"] = 0
+		sdkWant["activity_type=A,dedup_outcome="+o+",error_type="+et+",namespace=ns,task_queue=q,workflow_type=W"] = 0
+	}
+	want["activity_type=A,dedup.outcome=claimed,namespace=ns,task_queue=q"] = 2
+	sdkWant["activity_type=A,dedup_outcome=claimed,error_type=,namespace=ns,task_queue=q,workflow_type=W"] = 2
+	require.Equal(t, want, collectSums(t, reader)[MetricAttempts])
+	require.Equal(t, sdkWant, collectSums(t, sdkReader)["dedup_attempts"])
+
+	// Under MismatchReturnStored a payload mismatch without an error is
+	// made too.
+	stored, err := newTelemetry(tracenoop.NewTracerProvider(), metricnoop.NewMeterProvider(), false, "t", MismatchReturnStored)
+	require.NoError(t, err)
+	require.Contains(t, stored.zeroOutcomes, outcomeType{OutcomePayloadMismatch, ""})
+	require.NotContains(t, tel.zeroOutcomes, outcomeType{OutcomePayloadMismatch, ""})
+
+	for i := range maxSeeded + 10 {
+		end(fmt.Sprint("T", i), OutcomeClaimed, nil)
+	}
+	require.Len(t, tel.seeded, maxSeeded)
 }

@@ -51,7 +51,7 @@ var prometheusSanitize = tally.SanitizeOptions{
 // mismatch. The reporter registers each name's label names once and
 // refuses others (its default error handler panics): every attempt, failed
 // or not, must be registered and gathered, the successes with an empty
-// error_type.
+// error_type; the outcomes known up front are there at zero.
 func TestTallyPrometheusReporter(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -105,6 +105,7 @@ func TestTallyPrometheusReporter(t *testing.T) {
 	families, err := reg.Gather()
 	require.NoError(t, err)
 	attempts := map[string]float64{} // dedup_outcome/error_type
+	zeros := map[string]bool{}       // the series made at zero
 	timers := map[string]uint64{}
 	for _, f := range families {
 		for _, m := range f.GetMetric() {
@@ -117,8 +118,11 @@ func TestTallyPrometheusReporter(t *testing.T) {
 				require.Equal(t, dto.MetricType_COUNTER, f.GetType())
 				require.Contains(t, labels, "error_type")
 				require.Equal(t, "Post", labels["activity_type"])
+				k := labels["dedup_outcome"] + "/" + labels["error_type"]
 				if v := m.GetCounter().GetValue(); v != 0 {
-					attempts[labels["dedup_outcome"]+"/"+labels["error_type"]] += v
+					attempts[k] += v
+				} else {
+					zeros[k] = true
 				}
 			case "dedup_claim_duration", "dedup_effect_duration":
 				timers[f.GetName()] += m.GetHistogram().GetSampleCount()
@@ -127,4 +131,8 @@ func TestTallyPrometheusReporter(t *testing.T) {
 	}
 	require.Equal(t, map[string]float64{"claimed/": 1, "duplicate/": 1, "payload_mismatch/DedupPayloadMismatch": 1}, attempts)
 	require.Equal(t, map[string]uint64{"dedup_claim_duration": 3, "dedup_effect_duration": 1}, timers)
+	// The outcomes known up front were made at zero with the first
+	// attempt, so the first of each shows in increase() and rate().
+	require.True(t, zeros["claim_timeout/DedupClaimTimeout"], "%v", zeros)
+	require.True(t, zeros["error/DedupNotMigrated"], "%v", zeros)
 }
