@@ -139,6 +139,17 @@ type ReconcilerConfig struct {
 	// Defaults to DefaultReconcileMax (1000).
 	MaxMessages int
 
+	// Destinations are the destinations whose MetricReconciled series, one
+	// per action, are made at zero when the Reconciler is made. PromQL's
+	// increase() and rate() see no increase in a counter series that first
+	// appears at 1, so without it the first rejection of a destination
+	// shows in neither (nor in an alert on them). A destination not listed
+	// has its series made when a Reconcile first settles or reports one of
+	// its messages, whose own action does not show.
+	//
+	// Defaults to none.
+	Destinations []string
+
 	// TracerProvider and MeterProvider default to the OTel globals.
 	TracerProvider trace.TracerProvider
 	MeterProvider  metric.MeterProvider
@@ -154,6 +165,7 @@ type Reconciler struct {
 	cfg        ReconcilerConfig
 	tracer     trace.Tracer
 	reconciled metric.Int64Counter
+	zero       *zeroSeries
 }
 
 // NewReconciler returns a Reconciler for ob. cfg is checked; an error names
@@ -204,6 +216,10 @@ func NewReconciler(ob *Outbox, cfg ReconcilerConfig) (*Reconciler, error) {
 	if rc.reconciled, err = cfg.MeterProvider.Meter(ScopeName).Int64Counter(MetricReconciled,
 		metric.WithDescription("Outbox messages the reconciler settled or reported."), metric.WithUnit("{message}")); err != nil {
 		return nil, fmt.Errorf("outbox: create %s: %w", MetricReconciled, err)
+	}
+	rc.zero = newZeroSeries(rc.reconciled, ReconcileActionKey, actionApplied, actionRequeued, actionRejected, actionUnresolved)
+	for _, d := range cfg.Destinations {
+		rc.zero.destination(d)
 	}
 	return rc, nil
 }
@@ -326,7 +342,7 @@ ORDER BY (state = 'dead' AND requeues >= $3), checked_at NULLS FIRST, id LIMIT $
 		unresolved := func(reason string) {
 			rep.Unresolved = append(rep.Unresolved, Unresolved{Key: c.d.Key, Destination: c.d.Destination, State: c.state,
 				Attempts: c.d.Attempt, LastError: c.lastError, Reason: reason})
-			rc.count(ctx, "unresolved", c.d.Destination)
+			rc.count(ctx, actionUnresolved, c.d.Destination)
 			unsettled = append(unsettled, c.d.ID)
 		}
 		if c.unreadable != nil {
@@ -377,19 +393,20 @@ WHERE id = $1 AND state = $2 AND attempts = $3`
 		switch {
 		case rejected:
 			rep.Rejected = append(rep.Rejected, c.d.Key)
-			rc.count(ctx, "rejected", c.d.Destination)
+			rc.count(ctx, actionRejected, c.d.Destination)
 		case applied:
 			rep.Applied++
-			rc.count(ctx, "applied", c.d.Destination)
+			rc.count(ctx, actionApplied, c.d.Destination)
 		default:
 			rep.Requeued++
-			rc.count(ctx, "requeued", c.d.Destination)
+			rc.count(ctx, actionRequeued, c.d.Destination)
 		}
 	}
 	return rep, nil
 }
 
 func (rc *Reconciler) count(ctx context.Context, action, destination string) {
+	rc.zero.destination(destination) // a destination not known up front: from its first count on
 	rc.reconciled.Add(ctx, 1, metric.WithAttributes(ReconcileActionKey.String(action), DestinationKey.String(destination)))
 }
 

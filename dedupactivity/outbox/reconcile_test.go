@@ -299,7 +299,9 @@ WHERE state = 'rejected' AND settled_at IS NOT NULL AND lease_until IS NULL AND 
 	require.NoError(t, err)
 	require.Equal(t, int64(3), st.Rejected)
 	require.Equal(t, int64(3), st.Enqueued())
-	require.Equal(t, map[string]int64{"rejected": 3}, reconciled(t, reader))
+	// The destination, not listed in Destinations, has the series of every
+	// action from its first count on.
+	require.Equal(t, map[string]int64{"receipts/rejected": 3, "receipts/applied": 0, "receipts/requeued": 0, "receipts/unresolved": 0}, reconciled(t, reader))
 
 	// Settled: nothing is asked about or sent again.
 	rep, err = rc.Reconcile(ctx)
@@ -311,7 +313,7 @@ WHERE state = 'rejected' AND settled_at IS NOT NULL AND lease_until IS NULL AND 
 	require.Zero(t, res)
 }
 
-// reconciled sums MetricReconciled by action.
+// reconciled sums MetricReconciled by destination/action.
 func reconciled(t *testing.T, reader *sdkmetric.ManualReader) map[string]int64 {
 	t.Helper()
 	var rm metricdata.ResourceMetrics
@@ -324,11 +326,36 @@ func reconciled(t *testing.T, reader *sdkmetric.ManualReader) map[string]int64 {
 			}
 			for _, dp := range m.Data.(metricdata.Sum[int64]).DataPoints {
 				v, _ := dp.Attributes.Value(outbox.ReconcileActionKey)
-				got[v.AsString()] += dp.Value
+				dst, _ := dp.Attributes.Value(outbox.DestinationKey)
+				got[dst.AsString()+"/"+v.AsString()] += dp.Value
 			}
 		}
 	}
 	return got
+}
+
+// TestReconcilerSeriesStartAtZero: the MetricReconciled series of every
+// action of ReconcilerConfig.Destinations are there at zero once the
+// Reconciler is made, before any Reconcile: PromQL's increase() sees no
+// increase in a counter series that first appears at 1, so the first
+// rejection of a destination would not show, nor fire an alert on it.
+func TestReconcilerSeriesStartAtZero(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	reader := sdkmetric.NewManualReader()
+	_, err := outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{
+		Checker:       outbox.CheckerFunc(func(context.Context, outbox.Delivery) (bool, error) { return true, nil }),
+		Destinations:  []string{"receipts", "ledger"},
+		MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)),
+	})
+	require.NoError(t, err)
+	want := map[string]int64{}
+	for _, d := range []string{"receipts", "ledger"} {
+		for _, a := range []string{"applied", "requeued", "rejected", "unresolved"} {
+			want[d+"/"+a] = 0
+		}
+	}
+	require.Equal(t, want, reconciled(t, reader))
 }
 
 // TestHTTPCheckerRejectedOnlyWithTheRefusal: a 409 is a refusal only with

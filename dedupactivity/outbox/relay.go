@@ -6,8 +6,10 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"math/rand/v2"
 	"runtime/debug"
+	"slices"
 	"time"
 
 	"go.opentelemetry.io/otel"
@@ -86,6 +88,17 @@ type RelayConfig struct {
 	//
 	// Defaults to otel.GetMeterProvider().
 	MeterProvider metric.MeterProvider
+
+	// Destinations are the destinations whose MetricDeliveries series, one
+	// per result, are made at zero when the Relay is made. PromQL's
+	// increase() and rate() see no increase in a counter series that first
+	// appears at 1, so a destination's first dead letter would show in
+	// neither. A destination not listed has its series made by its first
+	// send, whose own result does not show (it is most often delivered).
+	//
+	// Defaults to the Endpoints' destinations when Sender is an
+	// *HTTPSender, else none.
+	Destinations []string
 }
 
 func (c RelayConfig) withDefaults() RelayConfig {
@@ -115,6 +128,9 @@ func (c RelayConfig) withDefaults() RelayConfig {
 	}
 	if c.MeterProvider == nil {
 		c.MeterProvider = otel.GetMeterProvider()
+	}
+	if s, ok := c.Sender.(*HTTPSender); ok && s != nil && c.Destinations == nil {
+		c.Destinations = slices.Sorted(maps.Keys(s.cfg.Endpoints))
 	}
 	return c
 }
@@ -168,7 +184,7 @@ func NewRelay(ob *Outbox, cfg RelayConfig) (*Relay, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	tel, err := newRelayTelemetry(cfg.TracerProvider, cfg.MeterProvider)
+	tel, err := newRelayTelemetry(cfg.TracerProvider, cfg.MeterProvider, cfg.Destinations)
 	if err != nil {
 		return nil, err
 	}

@@ -664,6 +664,11 @@ func TestRelayTelemetry(t *testing.T) {
 		TracerProvider: sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans)),
 		MeterProvider:  mp,
 	})
+	// Before any send, the series of the HTTPSender's destination are
+	// there at zero (RelayConfig.Destinations' default), so the first dead
+	// letter shows in increase().
+	counts, _, _ := relayMetrics(t, reader)
+	require.Equal(t, map[string]int64{"receipts/delivered": 0, "receipts/retried": 0, "receipts/dead": 0, "receipts/lease_lost": 0, "receipts/stopped": 0}, counts)
 	res, err := r.RunOnce(context.Background())
 	require.NoError(t, err)
 	require.Equal(t, outbox.RelayResult{Delivered: 1, Retried: 1, Dead: 1}, res)
@@ -679,7 +684,7 @@ func TestRelayTelemetry(t *testing.T) {
 	require.Equal(t, map[string]string{keys[0]: "delivered", keys[1]: "retried", keys[2]: "dead"}, results)
 
 	counts, oldest, messages := relayMetrics(t, reader)
-	require.Equal(t, map[string]int64{"receipts/delivered": 1, "receipts/retried": 1, "receipts/dead": 1}, counts)
+	require.Equal(t, map[string]int64{"receipts/delivered": 1, "receipts/retried": 1, "receipts/dead": 1, "receipts/lease_lost": 0, "receipts/stopped": 0}, counts)
 	require.Greater(t, oldest, 0.0, "the retried message is still pending")
 	require.Equal(t, map[string]int64{"dedup_outbox/pending": 1, "dedup_outbox/sending": 0, "dedup_outbox/dead": 1}, messages)
 

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"strings"
+	"sync"
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
@@ -42,7 +43,9 @@ const (
 // Metric names.
 const (
 	// MetricDeliveries counts sends by dedup.outbox.result and
-	// dedup.outbox.destination. Unit {message}.
+	// dedup.outbox.destination. Unit {message}. The series of every result
+	// start at zero: for RelayConfig.Destinations when the Relay is made,
+	// for another destination at its first send.
 	MetricDeliveries = "dedup.outbox.deliveries"
 	// MetricOldestPendingAge is, at each collection, the age in seconds of
 	// the oldest message not yet delivered (pending or sending), by
@@ -59,7 +62,11 @@ const (
 	// failed query observes nothing, so a stale value is never exported.
 	MetricMessages = "dedup.outbox.messages"
 	// MetricReconciled counts messages the reconciler settled or reported,
-	// by dedup.outbox.reconcile.action and dedup.outbox.destination.
+	// by dedup.outbox.reconcile.action and dedup.outbox.destination. The
+	// series of every action start at zero: for
+	// ReconcilerConfig.Destinations when the Reconciler is made, for another
+	// destination when a Reconcile first settles or reports a message of
+	// it.
 	MetricReconciled = "dedup.outbox.reconciled"
 )
 
@@ -72,18 +79,78 @@ const (
 	resultStopped   = "stopped"
 )
 
+// Reconciler actions, recorded in ReconcileActionKey.
+const (
+	actionApplied    = "applied"
+	actionRequeued   = "requeued"
+	actionRejected   = "rejected"
+	actionUnresolved = "unresolved"
+)
+
+// maxZeroDestinations bounds the destinations whose series one zeroSeries
+// makes: an outbox's destinations stay far below it.
+const maxZeroDestinations = 1024
+
+// zeroSeries makes a counter's series at zero for each value of one key
+// (the results, the actions) with each destination, once per destination.
+// PromQL's increase() and rate() see no increase in a counter series that
+// first appears at 1: without it, the first dead letter or rejection of a
+// destination would never show on a dashboard or in an alert. It is safe for
+// concurrent use.
+type zeroSeries struct {
+	counter metric.Int64Counter
+	key     attribute.Key
+	values  []string
+
+	mu   sync.RWMutex
+	made map[string]struct{} // destinations
+}
+
+func newZeroSeries(counter metric.Int64Counter, key attribute.Key, values ...string) *zeroSeries {
+	return &zeroSeries{counter: counter, key: key, values: values, made: map[string]struct{}{}}
+}
+
+// destination makes dest's series, unless they are made or
+// maxZeroDestinations destinations have theirs.
+func (z *zeroSeries) destination(dest string) {
+	z.mu.RLock()
+	_, ok := z.made[dest]
+	full := len(z.made) >= maxZeroDestinations
+	z.mu.RUnlock()
+	if ok || full {
+		return
+	}
+	z.mu.Lock()
+	if _, ok := z.made[dest]; ok || len(z.made) >= maxZeroDestinations {
+		z.mu.Unlock()
+		return
+	}
+	z.made[dest] = struct{}{}
+	z.mu.Unlock()
+	for _, v := range z.values {
+		z.counter.Add(context.Background(), 0, metric.WithAttributes(z.key.String(v), DestinationKey.String(dest)))
+	}
+}
+
 type relayTelemetry struct {
 	tracer     trace.Tracer
 	deliveries metric.Int64Counter
+	zero       *zeroSeries
 }
 
-func newRelayTelemetry(tp trace.TracerProvider, mp metric.MeterProvider) (*relayTelemetry, error) {
+// newRelayTelemetry makes the relay's instruments, and the MetricDeliveries
+// series of destinations at zero.
+func newRelayTelemetry(tp trace.TracerProvider, mp metric.MeterProvider, destinations []string) (*relayTelemetry, error) {
 	meter := mp.Meter(ScopeName)
 	t := &relayTelemetry{tracer: tp.Tracer(ScopeName)}
 	var err error
 	if t.deliveries, err = meter.Int64Counter(MetricDeliveries,
 		metric.WithDescription("Outbox sends by result and destination."), metric.WithUnit("{message}")); err != nil {
 		return nil, fmt.Errorf("outbox: create %s: %w", MetricDeliveries, err)
+	}
+	t.zero = newZeroSeries(t.deliveries, ResultKey, resultDelivered, resultRetried, resultDead, resultLeaseLost, resultStopped)
+	for _, d := range destinations {
+		t.zero.destination(d)
 	}
 	return t, nil
 }
@@ -133,6 +200,7 @@ func (t *relayTelemetry) startSend(ctx context.Context, d Delivery) (context.Con
 }
 
 func (t *relayTelemetry) endSend(ctx context.Context, span trace.Span, d Delivery, result string, err error) {
+	t.zero.destination(d.Destination) // a destination not known up front: from its first send on
 	t.deliveries.Add(ctx, 1, metric.WithAttributes(ResultKey.String(result), DestinationKey.String(d.Destination)))
 	span.SetAttributes(ResultKey.String(result))
 	if err != nil {

@@ -486,6 +486,7 @@ func Receipts(ctx context.Context, cfg Config, pool *pgxpool.Pool, tel *Telemetr
 	rc, err := outbox.NewReconciler(ob, outbox.ReconcilerConfig{
 		Checker:        outbox.HTTPChecker{URL: outbox.StatusURL(map[string]string{activities.ReceiptsDestination: base + "/idempotency-keys"})},
 		UnackedAfter:   30 * time.Second,
+		Destinations:   []string{activities.ReceiptsDestination}, // its series from zero: the first rejection shows
 		TracerProvider: tel.TracerProvider,
 		MeterProvider:  tel.MeterProvider,
 	})
