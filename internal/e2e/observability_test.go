@@ -113,13 +113,16 @@ func TestObservabilityBackends(t *testing.T) {
 	require.Equal(t, activities.DebitName, joined[0].Metric["activity_type"])
 
 	// Prune one expired marker, so the pruned counter has a value; then run
-	// the dashboard's queries.
+	// the dashboard's queries. The counter's series was there at zero since
+	// the worker started, so increase() sees the first prune: a series that
+	// first appears at 1 shows no increase, however many samples follow.
 	_, err = s.Pool.Exec(ctx, `UPDATE dedup_marker SET expires_at = now() - interval '1 second' WHERE id_hash = (SELECT id_hash FROM dedup_marker LIMIT 1)`)
 	require.NoError(t, err)
 	n, err := w.Deduper.Prune(ctx)
 	require.NoError(t, err)
 	require.Equal(t, int64(1), n)
-	require.Eventually(t, func() bool { return len(query(`dedup_marker_pruned_total`)) > 0 }, 30*time.Second, 250*time.Millisecond)
+	require.Eventually(t, func() bool { return len(query(`increase(dedup_marker_pruned_total[1m]) > 0`)) > 0 }, 30*time.Second, 250*time.Millisecond,
+		"the first prune shows in increase()")
 
 	// The outbox: the relay delivered the three receipts; one, made a dead
 	// letter by hand, the reconciler finds applied at the destination.
@@ -140,6 +143,12 @@ func TestObservabilityBackends(t *testing.T) {
 		return len(query(`dedup_outbox_reconciled_total{dedup_outbox_reconcile_action="applied"} == 1`)) > 0 &&
 			len(query(`dedup_outbox_deliveries_total{dedup_outbox_result="delivered"} == 3`)) > 0
 	}, 30*time.Second, 250*time.Millisecond)
+	// The reconciler's series were there at zero since it was made
+	// (ReconcilerConfig.Destinations), so its first action shows in
+	// increase().
+	require.Eventually(t, func() bool {
+		return len(query(`increase(dedup_outbox_reconciled_total{dedup_outbox_reconcile_action="applied"}[1m]) > 0`)) > 0
+	}, 30*time.Second, 250*time.Millisecond, "the first reconcile shows in increase()")
 	checkDashboard(t, p)
 
 	// Jaeger: flush the spans, then find one trace holding both children.
