@@ -51,17 +51,22 @@ type Claim[Out any] struct {
 // partitioned layout is not supported (its key is the activity's
 // ScheduledTime).
 func ClaimTx[Out any](ctx context.Context, d *Deduper, tx pgx.Tx, id Identity, in any) (*Claim[Out], error) {
-	switch {
-	case d == nil:
+	if d == nil {
 		return nil, fmt.Errorf("%w: Deduper is nil", ErrInvalidOptions)
-	case tx == nil:
-		return nil, fmt.Errorf("%w: tx is nil", ErrInvalidOptions)
-	case d.opts.PartitionInterval > 0:
-		return nil, fmt.Errorf("%w: ClaimTx does not support the partitioned layout (PartitionInterval)", ErrInvalidOptions)
 	}
 	info := infoFor(ctx, id)
-	m, err := d.newMarker(info, id, d.opts.Retention)
+	var m *marker
+	var err error
+	switch {
+	case tx == nil:
+		err = fmt.Errorf("%w: tx is nil", ErrInvalidOptions)
+	case d.opts.PartitionInterval > 0:
+		err = fmt.Errorf("%w: ClaimTx does not support the partitioned layout (PartitionInterval)", ErrInvalidOptions)
+	default:
+		m, err = d.newMarker(info, id, d.opts.Retention)
+	}
 	if err != nil {
+		d.tel.failed(ctx, info, id, nil, err) // traced and counted as the claims are
 		return nil, err
 	}
 	c := &Claim[Out]{d: d, tx: tx, info: info, id: id, m: m}

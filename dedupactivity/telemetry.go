@@ -3,6 +3,7 @@ package dedupactivity
 import (
 	"cmp"
 	"context"
+	"crypto/sha256"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -364,6 +365,7 @@ type record struct {
 	claimWait     time.Duration
 	effectTime    time.Duration
 	ranEffect     bool
+	noClaim       bool // the attempt failed before its claim: no claim duration
 	storedAttempt int32
 }
 
@@ -372,7 +374,26 @@ func (r *record) set(a attempt) {
 	r.outcome, r.claimWait, r.effectTime, r.ranEffect, r.storedAttempt = a.outcome, a.claimWait, a.effectTime, a.ranEffect, a.storedAttempt
 }
 
+// start starts the telemetry of an attempt of id, whose marker's primary
+// key is hash.
 func (t *telemetry) start(ctx context.Context, info activity.Info, id Identity, hash [32]byte) (context.Context, *record) {
+	return t.startSpan(ctx, info, id, hash[:])
+}
+
+// failed records an attempt that failed before it could claim (the business
+// key function's error, an identity newMarker refuses, a delivery the
+// partitioned layout refuses): a span, and MetricAttempts under
+// OutcomeError with err's error.type. Having claimed nothing, it records no
+// claim duration. hash is nil when the attempt had no valid identity.
+func (t *telemetry) failed(ctx context.Context, info activity.Info, id Identity, hash []byte, err error) {
+	ctx, r := t.startSpan(ctx, info, id, hash)
+	r.outcome, r.noClaim = OutcomeError, true
+	t.end(ctx, r, err)
+}
+
+// startSpan is start with the hash as a slice; nil leaves IdentityHashKey
+// out.
+func (t *telemetry) startSpan(ctx context.Context, info activity.Info, id Identity, hash []byte) (context.Context, *record) {
 	r := &record{activityType: info.ActivityType.Name, namespace: cmp.Or(info.Namespace, id.Namespace), taskQueue: info.TaskQueue}
 	if t.sdkMetrics && activity.IsActivity(ctx) {
 		r.sdk = activity.GetMetricsHandler(ctx)
@@ -380,21 +401,24 @@ func (t *telemetry) start(ctx context.Context, info activity.Info, id Identity, 
 			r.workflowType = info.WorkflowType.Name
 		}
 	}
-	var hashHex [2 * len(hash)]byte
-	hex.Encode(hashHex[:], hash[:])
-	ctx, r.span = t.tracer.Start(ctx, "Dedup:"+info.ActivityType.Name, t.kindInternal,
-		trace.WithAttributes(
-			dbSystemKey.String("postgresql"),
-			activityTypeKey.String(r.activityType),
-			namespaceKey.String(r.namespace),
-			taskQueueKey.String(r.taskQueue),
-			activityIDKey.String(info.ActivityID),
-			attemptKey.Int64(int64(info.Attempt)),
-			workflowIDKey.String(info.WorkflowExecution.ID),
-			runIDKey.String(info.WorkflowExecution.RunID),
-			IdentityKindKey.String(id.Kind.String()),
-			IdentityHashKey.String(string(hashHex[:])),
-		))
+	attrs := make([]attribute.KeyValue, 0, 10)
+	attrs = append(attrs,
+		dbSystemKey.String("postgresql"),
+		activityTypeKey.String(r.activityType),
+		namespaceKey.String(r.namespace),
+		taskQueueKey.String(r.taskQueue),
+		activityIDKey.String(info.ActivityID),
+		attemptKey.Int64(int64(info.Attempt)),
+		workflowIDKey.String(info.WorkflowExecution.ID),
+		runIDKey.String(info.WorkflowExecution.RunID),
+		IdentityKindKey.String(id.Kind.String()),
+	)
+	if hash != nil {
+		var hashHex [2 * sha256.Size]byte
+		hex.Encode(hashHex[:], hash)
+		attrs = append(attrs, IdentityHashKey.String(string(hashHex[:])))
+	}
+	ctx, r.span = t.tracer.Start(ctx, "Dedup:"+info.ActivityType.Name, t.kindInternal, trace.WithAttributes(attrs...))
 	return ctx, r
 }
 
@@ -407,19 +431,19 @@ func (t *telemetry) end(ctx context.Context, r *record, err error) {
 	}
 	o := t.metricAttrs(r, errType)
 	t.attempts.Add(ctx, 1, o.add...)
-	t.claim.Record(ctx, r.claimWait.Seconds(), o.record...)
+	if !r.noClaim {
+		t.claim.Record(ctx, r.claimWait.Seconds(), o.record...)
+	}
 	if r.ranEffect {
 		t.effect.Record(ctx, r.effectTime.Seconds(), o.record...)
 	}
 	if r.sdk != nil {
-		// error_type is set on every attempt, "" when it succeeded: a
-		// Prometheus registry (Tally's reporter, say) takes one set of
-		// label names per metric name and refuses a second, and Prometheus
-		// stores an empty label as no label.
 		t.seedSDKAttempts(r)
 		h := r.sdk.WithTags(t.sdkTags(r, r.outcome, errType))
 		h.Counter(sdkMetricAttempts).Inc(1)
-		h.Timer(sdkMetricClaimDuration).Record(r.claimWait)
+		if !r.noClaim {
+			h.Timer(sdkMetricClaimDuration).Record(r.claimWait)
+		}
 		if r.ranEffect {
 			h.Timer(sdkMetricEffectDuration).Record(r.effectTime)
 		}

@@ -24,6 +24,7 @@ import (
 	"go.temporal.io/sdk/activity"
 	"go.temporal.io/sdk/client"
 	temporalotel "go.temporal.io/sdk/contrib/opentelemetry"
+	"go.temporal.io/sdk/temporal"
 	"go.temporal.io/sdk/testsuite"
 	"go.temporal.io/sdk/worker"
 	"go.temporal.io/sdk/workflow"
@@ -491,4 +492,94 @@ func TestTemporalMetricsTagKeys(t *testing.T) {
 			require.Contains(t, strings.Split(keys, ","), "error_type", name)
 		}
 	}
+}
+
+// TestAttemptsThatFailBeforeTheClaim: an attempt that fails before it can
+// claim (the business key function's error, an identity the Deduper
+// refuses, a delivery the partitioned layout refuses, ClaimTx on a nil tx)
+// is traced and counted as OutcomeError with its error.type, like any
+// other failed attempt, and records no claim duration. Before, it returned
+// ahead of the telemetry: no span, and no dedup.attempts series to alert on.
+func TestAttemptsThatFailBeforeTheClaim(t *testing.T) {
+	t.Parallel()
+	b := setupTelemetry(t, dedupactivity.Options{})
+	keyErr := errors.New("no key in the input")
+	keys := map[int64]func() (string, error){
+		1: func() (string, error) { return "", keyErr },
+		2: func() (string, error) { return "", temporal.NewNonRetryableApplicationError("no key", "NoKey", nil) },
+		3: func() (string, error) { return "", nil }, // ErrEmptyBusinessKey
+	}
+	fn := dedupactivity.Wrap(b.d, b.post, dedupactivity.WithBusinessKey(func(in Transfer) (string, error) { return keys[in.Amount]() }))
+	for amount := range int64(3) {
+		_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: amount + 1})
+		require.Error(t, err)
+	}
+	require.Equal(t, map[string]int64{"error/_OTHER": 1, "error/NoKey": 1, "error/" + dedupactivity.ErrTypeInvalidUsage: 1}, b.attempts(t))
+	ended := b.spans.Ended()
+	require.Len(t, ended, 3)
+	for i, wantType := range []string{"_OTHER", "NoKey", dedupactivity.ErrTypeInvalidUsage} {
+		s := ended[i]
+		require.Equal(t, "Dedup:Post", s.Name())
+		require.Equal(t, codes.Error, s.Status().Code, i)
+		require.Equal(t, string(dedupactivity.OutcomeError), attr(s, dedupactivity.OutcomeKey).AsString(), i)
+		require.Equal(t, wantType, attr(s, attribute.Key("error.type")).AsString(), i)
+		require.Equal(t, "business_key", attr(s, dedupactivity.IdentityKindKey).AsString(), i)
+		require.Equal(t, attribute.EMPTY, attr(s, dedupactivity.IdentityHashKey).Type(), "no identity, no hash")
+		require.Equal(t, testTaskQueue, attr(s, "task_queue").AsString())
+	}
+	// ClaimTx on a nil tx, and an identity of no known kind.
+	_, err := dedupactivity.ClaimTx[Posting](context.Background(), b.d, nil, dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, Namespace: "ns", ActivityType: "Post", Key: "k"}, nil)
+	require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions)
+	_, _, err = dedupactivity.Do(context.Background(), b.d, dedupactivity.Identity{Namespace: "ns"}, Transfer{}, b.post)
+	require.ErrorIs(t, err, dedupactivity.ErrInvalidIdentity)
+	require.Len(t, b.spans.Ended(), 5)
+	for _, s := range b.spans.Ended()[3:] {
+		require.Equal(t, codes.Error, s.Status().Code)
+		require.Equal(t, dedupactivity.ErrTypeInvalidUsage, attr(s, attribute.Key("error.type")).AsString())
+	}
+	require.Equal(t, int64(3), outsideAttempts(t, b.reader)["error/"+dedupactivity.ErrTypeInvalidUsage], "the empty key and these two")
+	var rm metricdata.ResourceMetrics
+	require.NoError(t, b.reader.Collect(context.Background(), &rm))
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			require.NotEqual(t, dedupactivity.MetricClaimDuration, m.Name, "nothing was claimed")
+		}
+	}
+
+	// The partitioned layout refuses Do outside an activity: traced with
+	// the identity's hash, and counted.
+	p := setupTelemetry(t, dedupactivity.Options{PartitionInterval: time.Hour})
+	id := dedupactivity.Identity{Kind: dedupactivity.KindActivity, Namespace: "ns", WorkflowID: "w", RunID: "r", ActivityID: "1"}
+	_, _, err = dedupactivity.Do(context.Background(), p.d, id, Transfer{}, p.post)
+	require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions)
+	require.Len(t, p.spans.Ended(), 1)
+	s := p.spans.Ended()[0]
+	require.Equal(t, codes.Error, s.Status().Code)
+	require.Equal(t, hex.EncodeToString(hashOf(id)), attr(s, dedupactivity.IdentityHashKey).AsString())
+	require.Equal(t, int64(1), outsideAttempts(t, p.reader)["error/"+dedupactivity.ErrTypeInvalidUsage])
+}
+
+// outsideAttempts returns the non-zero dedup.attempts series of reader by
+// "outcome/error.type", whatever their other attributes.
+func outsideAttempts(t *testing.T, reader *sdkmetric.ManualReader) map[string]int64 {
+	t.Helper()
+	var rm metricdata.ResourceMetrics
+	require.NoError(t, reader.Collect(context.Background(), &rm))
+	out := map[string]int64{}
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if m.Name != dedupactivity.MetricAttempts {
+				continue
+			}
+			for _, dp := range m.Data.(metricdata.Sum[int64]).DataPoints {
+				if dp.Value == 0 {
+					continue
+				}
+				o, _ := dp.Attributes.Value(dedupactivity.OutcomeKey)
+				et, _ := dp.Attributes.Value(attribute.Key("error.type"))
+				out[o.AsString()+"/"+et.AsString()] += dp.Value
+			}
+		}
+	}
+	return out
 }

@@ -65,7 +65,8 @@ type wrapConfig struct {
 // "0001-01-01T00:00:00Z") or a zero array ([0,0,...]) is not: such a field
 // added is a different input.
 //
-// An error from key fails the attempt before anything is claimed. A
+// An error from key fails the attempt before anything is claimed (it is
+// traced and counted as OutcomeError, with its error.type). A
 // *temporal.ApplicationError reaches Temporal unchanged, so
 // temporal.NewNonRetryableApplicationError stops the retries of an input
 // that has no key; any other error is retryable.
@@ -195,14 +196,16 @@ func (w *wrapper[In, Out]) run(ctx context.Context, in In) (Out, error) {
 	info := activity.GetInfo(ctx)
 	id := IdentityFromInfo(info)
 	if w.cfg.keyFn != nil {
+		id = Identity{Kind: KindBusinessKey, Namespace: info.Namespace, ActivityType: info.ActivityType.Name}
 		key, err := w.cfg.keyFn(in)
 		if err != nil {
-			if errors.As(err, new(*temporal.ApplicationError)) {
-				return zero, err // the key function's own, unchanged, as the effect's
-			}
-			return zero, toTemporal(fmt.Errorf("dedupactivity: business key: %w", err))
+			if !errors.As(err, new(*temporal.ApplicationError)) {
+				err = toTemporal(fmt.Errorf("dedupactivity: business key: %w", err))
+			} // else the key function's own, unchanged, as the effect's
+			w.d.tel.failed(ctx, info, id, nil, err)
+			return zero, err
 		}
-		id = Identity{Kind: KindBusinessKey, Namespace: info.Namespace, ActivityType: info.ActivityType.Name, Key: key}
+		id.Key = key
 	}
 	out, a, err := w.apply(ctx, info, id, in, false)
 	if a.outcome == OutcomeEffectError {
@@ -213,18 +216,21 @@ func (w *wrapper[In, Out]) run(ctx context.Context, in In) (Out, error) {
 
 // apply runs one attempt of the event id: it validates the identity,
 // fingerprints a business-keyed input, traces the attempt, and claims and
-// applies. A first delivery returns the effect's value as it is, or, with
+// applies. An identity it refuses is traced and counted too. A first delivery returns the effect's value as it is, or, with
 // decodeClaimed, as the data converter decodes it (what a duplicate
 // returns; the SDK does the same round trip for an activity's result).
 func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Identity, in In, decodeClaimed bool) (out Out, a attempt, err error) {
 	a.outcome = OutcomeError
 	m, err := w.d.newMarker(info, id, w.cfg.retention)
 	if err != nil {
+		w.d.tel.failed(ctx, info, id, nil, err)
 		return out, a, err
 	}
 	if w.d.opts.PartitionInterval > 0 {
 		if id.Kind != KindActivity && id.Kind != KindStandalone || info.ScheduledTime.IsZero() {
-			return out, a, fmt.Errorf("%w: the partitioned layout (PartitionInterval) supports run-scoped identities of regular and standalone activities only, not %s identities or calls outside an activity: their deliveries do not share a ScheduledTime", ErrInvalidOptions, id.Kind)
+			err = fmt.Errorf("%w: the partitioned layout (PartitionInterval) supports run-scoped identities of regular and standalone activities only, not %s identities or calls outside an activity: their deliveries do not share a ScheduledTime", ErrInvalidOptions, id.Kind)
+			w.d.tel.failed(ctx, info, id, m.sum[:], err)
+			return out, a, err
 		}
 		m.scheduledAt = info.ScheduledTime
 	}
