@@ -175,6 +175,17 @@ type Options struct {
 	// an activity record through MeterProvider only. To record through the
 	// SDK's handler only, set MeterProvider to noop.NewMeterProvider().
 	//
+	// It is for a handler that is not OpenTelemetry (Tally, say). Do not
+	// set it when the worker's handler is the SDK's OpenTelemetry one
+	// (go.temporal.io/sdk/contrib/opentelemetry) on this MeterProvider, or
+	// on another exported to the same Prometheus: both paths then export
+	// dedup_attempts_total, dedup_claim_duration_seconds,
+	// dedup_effect_duration_seconds and dedup_marker_pruned_total, told
+	// apart only by otel_scope_name, which doubles every count summed over
+	// them and mixes two sets of histogram buckets. MeterProvider alone
+	// already puts them beside the SDK's own metrics, with the labels they
+	// join on.
+	//
 	// Defaults to false.
 	TemporalMetrics bool
 }

@@ -11,6 +11,7 @@ import (
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 
 	"github.com/dedupactivity/dedupactivity/activities"
+	"github.com/dedupactivity/dedupactivity/dedupactivity"
 	"github.com/dedupactivity/dedupactivity/internal/ledgerworker"
 	"github.com/dedupactivity/dedupactivity/internal/obstest"
 	"github.com/dedupactivity/dedupactivity/internal/pgtest"
@@ -94,6 +95,12 @@ func TestObservabilityBackends(t *testing.T) {
 		return out
 	}
 	require.Eventually(t, func() bool { o := byOutcome(); return o["claimed"] == 6 && o["duplicate"] == 3 }, 30*time.Second, 250*time.Millisecond, "%v", byOutcome())
+	// One path exports them: the worker's SDK handler is OpenTelemetry's on
+	// the same MeterProvider, and Dedup.TemporalMetrics is not set, so no
+	// second dedup_attempts_total comes under the SDK's scope.
+	scopes := query(`count by (otel_scope_name) (dedup_attempts_total)`)
+	require.Len(t, scopes, 1, "%v", scopes)
+	require.Equal(t, dedupactivity.ScopeName, scopes[0].Metric["otel_scope_name"])
 	perType := query(`sum by (activity_type, namespace, task_queue) (rate(dedup_attempts_total` + sel + `[1m]))`)
 	require.Len(t, perType, 2, "Debit and Credit")
 	for _, s := range perType {

@@ -1,11 +1,16 @@
 package ledgerworker_test
 
 import (
+	"context"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	tracenoop "go.opentelemetry.io/otel/trace/noop"
+	temporalotel "go.temporal.io/sdk/contrib/opentelemetry"
 
+	"github.com/dedupactivity/dedupactivity/dedupactivity"
 	"github.com/dedupactivity/dedupactivity/internal/ledgerworker"
 )
 
@@ -28,4 +33,22 @@ func TestConfigFromEnvDurations(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, 2*time.Hour, cfg.PruneInterval)
 	require.Equal(t, 5*time.Second, cfg.Relay.Lease)
+}
+
+// TestStartRefusesTemporalMetricsBesideTheOTelHandler: the worker's SDK
+// metrics handler is the SDK's OpenTelemetry one on its MeterProvider, which
+// the Deduper records to; Dedup.TemporalMetrics would export every dedup
+// metric a second time, under the SDK's scope. Start refuses it before it
+// connects anywhere.
+func TestStartRefusesTemporalMetricsBesideTheOTelHandler(t *testing.T) {
+	t.Parallel()
+	mp := sdkmetric.NewMeterProvider()
+	tel := &ledgerworker.Telemetry{
+		TracerProvider: tracenoop.NewTracerProvider(), MeterProvider: mp,
+		SDKMetrics: temporalotel.NewMetricsHandler(temporalotel.MetricsHandlerOptions{Meter: mp.Meter("temporal-sdk-go")}),
+	}
+	_, err := ledgerworker.Start(context.Background(), ledgerworker.Config{
+		DatabaseURL: "postgres://127.0.0.1:1/db", Dedup: dedupactivity.Options{TemporalMetrics: true},
+	}, tel)
+	require.ErrorContains(t, err, "twice")
 }

@@ -353,6 +353,11 @@ func Start(ctx context.Context, cfg Config, tel *Telemetry) (_ *Worker, err erro
 	if tel == nil {
 		tel = &Telemetry{TracerProvider: otel.GetTracerProvider(), MeterProvider: otel.GetMeterProvider()}
 	}
+	if cfg.Dedup.TemporalMetrics && tel.SDKMetrics != nil {
+		// tel.SDKMetrics is the SDK's OpenTelemetry handler on
+		// tel.MeterProvider, which the Deduper records to already.
+		return nil, errors.New("ledgerworker: Dedup.TemporalMetrics with the SDK's OpenTelemetry metrics handler on the same MeterProvider exports every dedup metric twice (see Options.TemporalMetrics): leave it unset")
+	}
 	pool, err := OpenPool(ctx, cfg)
 	if err != nil {
 		return nil, err
