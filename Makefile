@@ -47,7 +47,8 @@ VULNDB      := $(BIN)/vulndb
 VULNDB_STAMP := $(VULNDB)/.snapshot-$(VULNDB_VERSION)
 
 # Debian packages that the tests, the demo, the benchmark and the chaos run start: the
-# PostgreSQL server binaries (initdb, pg_ctl: throwaway clusters), Prometheus (the scrape test),
+# PostgreSQL server binaries (initdb, pg_ctl: throwaway clusters), Prometheus (the scrape test; its
+# promtool checks and unit-tests the alert rules),
 # PgBouncer (the transaction-pooling tests) and a C compiler (go test -race needs cgo). The demo
 # asks only for the first.
 DEPS_PACKAGES := postgresql prometheus pgbouncer gcc

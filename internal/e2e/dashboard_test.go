@@ -7,8 +7,10 @@ import (
 	"regexp"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
+	"gopkg.in/yaml.v3"
 
 	"github.com/dedupactivity/dedupactivity/internal/obstest"
 )
@@ -158,4 +160,47 @@ func checkDashboard(t *testing.T, p *obstest.Prometheus) {
 		}
 	}
 	require.GreaterOrEqual(t, exprs, 14)
+}
+
+// alertRules is the alert rules file the compose stack's Prometheus loads.
+const alertRules = "../../deploy/prometheus/alerts.yml"
+
+// checkAlerts checks the alert rules against p, which loaded them and
+// scrapes the worker: each expression passes checkExpr (its unit tests in
+// alerts_test.yml use series of their own, which cannot tell a name the
+// worker does not emit), and Prometheus evaluates every rule without an
+// error.
+func checkAlerts(t *testing.T, p *obstest.Prometheus) {
+	t.Helper()
+	raw, err := os.ReadFile(alertRules)
+	require.NoError(t, err)
+	var file struct {
+		Groups []struct {
+			Rules []struct {
+				Alert string `yaml:"alert"`
+				Expr  string `yaml:"expr"`
+			} `yaml:"rules"`
+		} `yaml:"groups"`
+	}
+	require.NoError(t, yaml.Unmarshal(raw, &file))
+	e := scrapedSeries(t, p)
+	n := 0
+	for _, g := range file.Groups {
+		for _, r := range g.Rules {
+			n++
+			checkExpr(t, e, "alert "+r.Alert, r.Expr)
+		}
+	}
+	require.GreaterOrEqual(t, n, 7)
+	require.Eventually(t, func() bool {
+		rules, err := p.Rules(context.Background())
+		require.NoError(t, err)
+		for _, r := range rules {
+			require.NotEqual(t, "err", r.Health, "alert %s: %s", r.Name, r.LastError)
+			if r.Health != "ok" {
+				return false // not evaluated yet
+			}
+		}
+		return len(rules) == n
+	}, 30*time.Second, 250*time.Millisecond, "Prometheus evaluates every alert rule")
 }

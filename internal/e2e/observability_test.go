@@ -41,7 +41,7 @@ func TestObservabilityBackends(t *testing.T) {
 	tel, err := ledgerworker.NewTelemetry(ctx, ledgerworker.TelemetryConfig{ServiceName: service, TracesEndpoint: j.OTLPEndpoint, MetricsAddr: "127.0.0.1:0"})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = tel.Shutdown(context.Background()) })
-	p, err := obstest.StartPrometheus(promBin, tel.MetricsAddr)
+	p, err := obstest.StartPrometheus(promBin, tel.MetricsAddr, alertRules)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = p.Stop() })
 
@@ -157,6 +157,7 @@ func TestObservabilityBackends(t *testing.T) {
 		return len(query(`increase(dedup_outbox_reconciled_total{dedup_outbox_reconcile_action="applied"}[1m]) > 0`)) > 0
 	}, 30*time.Second, 250*time.Millisecond, "the first reconcile shows in increase()")
 	checkDashboard(t, p)
+	checkAlerts(t, p)
 
 	// Jaeger: flush the spans, then find one trace holding both children.
 	require.NoError(t, tel.TracerProvider.(*sdktrace.TracerProvider).ForceFlush(ctx))

@@ -75,7 +75,8 @@ func TestComposeMatchesWorkerDefaults(t *testing.T) {
 
 // TestComposeWiring checks the stack's wiring without a Docker engine: every
 // endpoint the worker is given names a service of the stack on a port it
-// listens on, Prometheus scrapes the worker's METRICS_ADDR, Grafana mounts
+// listens on, Prometheus scrapes the worker's METRICS_ADDR and has its rule
+// files mounted, Grafana mounts
 // the dashboard and its provisioning, the images are current (no
 // auto-setup, Jaeger v2), and the UI and worker wait on health checks.
 func TestComposeWiring(t *testing.T) {
@@ -126,6 +127,7 @@ func TestComposeWiring(t *testing.T) {
 	_, metricsPort, err := net.SplitHostPort(worker.Environment["METRICS_ADDR"])
 	require.NoError(t, err)
 	var prom struct {
+		RuleFiles     []string `yaml:"rule_files"`
 		ScrapeConfigs []struct {
 			StaticConfigs []struct {
 				Targets []string `yaml:"targets"`
@@ -137,6 +139,14 @@ func TestComposeWiring(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, yaml.Unmarshal(raw, &prom))
 	require.Equal(t, []string{"worker:" + metricsPort}, prom.ScrapeConfigs[0].StaticConfigs[0].Targets)
+	// Its rule files are mounted beside its configuration, which names
+	// them relative to itself.
+	require.NotEmpty(t, prom.RuleFiles)
+	for _, f := range prom.RuleFiles {
+		require.Contains(t, c.Services["prometheus"].Volumes, "./deploy/prometheus/"+f+":/etc/prometheus/"+f+":ro")
+		_, err := os.Stat("../../deploy/prometheus/" + f)
+		require.NoError(t, err)
+	}
 
 	// Grafana: dashboards and provisioning mounted where the provider and
 	// the datasources point.

@@ -26,9 +26,9 @@ import (
 	"github.com/dedupactivity/dedupactivity/internal/toolbin"
 )
 
-// Find returns the path of the backend binary name ("jaeger" or
-// "prometheus"): JAEGER_BIN / PROMETHEUS_BIN, then the repository's bin/,
-// then PATH.
+// Find returns the path of the backend binary name ("jaeger", "prometheus"
+// or "promtool"): JAEGER_BIN / PROMETHEUS_BIN / PROMTOOL_BIN, then the
+// repository's bin/, then PATH.
 func Find(name string) (string, error) {
 	if p := os.Getenv(strings.ToUpper(name) + "_BIN"); p != "" {
 		return p, nil
@@ -39,7 +39,8 @@ func Find(name string) (string, error) {
 	if p, err := exec.LookPath(name); err == nil {
 		return p, nil
 	}
-	hint := map[string]string{"jaeger": "make jaeger", "prometheus": "apt-get install prometheus"}[name]
+	hint := map[string]string{"jaeger": "make jaeger", "prometheus": "apt-get install prometheus",
+		"promtool": "apt-get install prometheus, which ships it"}[name]
 	return "", fmt.Errorf("%s not found in bin/ or on PATH (%s)", name, hint)
 }
 
@@ -315,8 +316,8 @@ type Prometheus struct {
 
 // StartPrometheus starts the Prometheus binary at path scraping target
 // (host:port, path /metrics) every second as job "ledger-worker", with
-// exemplar storage enabled.
-func StartPrometheus(path, target string) (*Prometheus, error) {
+// exemplar storage enabled, evaluating the rules of ruleFiles every second.
+func StartPrometheus(path, target string, ruleFiles ...string) (*Prometheus, error) {
 	ports, err := freePorts(1)
 	if err != nil {
 		return nil, err
@@ -333,6 +334,16 @@ scrape_configs:
     static_configs:
       - targets: [%q]
 `, target)
+	if len(ruleFiles) > 0 {
+		config += "rule_files:\n"
+		for _, f := range ruleFiles {
+			abs, err := filepath.Abs(f)
+			if err != nil {
+				return nil, err
+			}
+			config += fmt.Sprintf("  - %q\n", abs)
+		}
+	}
 	if err := os.WriteFile(filepath.Join(dir, "prometheus.yml"), []byte(config), 0o600); err != nil {
 		return nil, err
 	}
@@ -354,6 +365,33 @@ scrape_configs:
 
 // Stop stops Prometheus and removes its data.
 func (p *Prometheus) Stop() error { return p.p.stop() }
+
+// Rule is a recording or alerting rule as Prometheus's rules API lists it.
+type Rule struct {
+	Name      string `json:"name"`
+	Query     string `json:"query"`
+	Health    string `json:"health"` // ok, err or unknown (not evaluated yet)
+	LastError string `json:"lastError"`
+}
+
+// Rules lists the rules Prometheus loaded, of every group.
+func (p *Prometheus) Rules(ctx context.Context) ([]Rule, error) {
+	var out struct {
+		Data struct {
+			Groups []struct {
+				Rules []Rule `json:"rules"`
+			} `json:"groups"`
+		} `json:"data"`
+	}
+	if err := getJSON(ctx, p.URL+"/api/v1/rules", &out); err != nil {
+		return nil, err
+	}
+	var rules []Rule
+	for _, g := range out.Data.Groups {
+		rules = append(rules, g.Rules...)
+	}
+	return rules, nil
+}
 
 // Sample is one series of an instant query's result.
 type Sample struct {
