@@ -448,7 +448,7 @@ func TestOldestMarkerAgeOfPartitions(t *testing.T) {
 		}
 		return got
 	}
-	current := time.Now().Truncate(iv)
+	current := oldestPartitionStart(t, b, "parted")
 	got := age()
 	require.Len(t, got, 1)
 	require.InDelta(t, time.Since(current).Seconds(), got[0], 5, "the current partition's start")
@@ -610,4 +610,12 @@ func TestDropBesideARetrysResultUpdate(t *testing.T) {
 	require.NoError(t, <-claimDone)
 	require.False(t, blocked, "the claim waited for the expired partition's lock")
 	require.Zero(t, b.count(t, `SELECT count(*) FROM pg_class WHERE relname = $1`, part), "the expired partition is dropped")
+}
+
+// oldestPartitionStart is the start of table's oldest range partition, read
+// from the partitions' names (<table>_p<Unix seconds>).
+func oldestPartitionStart(t *testing.T, b *testBundle, table string) time.Time {
+	t.Helper()
+	return time.Unix(b.count(t, `SELECT min(substring(c.relname FROM '_p(\d+)$')::bigint) FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+		WHERE i.inhparent = $1::regclass`, table), 0)
 }

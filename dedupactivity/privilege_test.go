@@ -9,6 +9,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 )
@@ -118,4 +120,38 @@ func TestRefusedConnection(t *testing.T) {
 	_, err = deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
 	require.ErrorContains(t, err, "acquire connection")
 	require.ErrorContains(t, err, "connect")
+}
+
+// TestLeastPrivilegeOldestMarkerGaugePartitioned: the oldest-marker gauge
+// of a least-privilege worker in the partitioned layout, whose role may
+// read the marker table and not its default partition, is observed from
+// the range partitions' bounds, at every collection.
+func TestLeastPrivilegeOldestMarkerGaugePartitioned(t *testing.T) {
+	t.Parallel()
+	iv := time.Hour
+	opts := dedupactivity.Options{PartitionInterval: iv, Retention: time.Hour}
+	b := setup(t, opts)
+	ctx := context.Background()
+	pool := leastPrivilegePool(t, b, "og_", ``)
+	reader := sdkmetric.NewManualReader()
+	opts.MeterProvider = sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	d, err := dedupactivity.New(pool, opts)
+	require.NoError(t, err)
+	require.NoError(t, d.Migrate(ctx))
+	for range 2 {
+		var rm metricdata.ResourceMetrics
+		require.NoError(t, reader.Collect(ctx, &rm))
+		var got []float64
+		for _, sm := range rm.ScopeMetrics {
+			for _, m := range sm.Metrics {
+				if m.Name == dedupactivity.MetricOldestMarkerAge {
+					for _, dp := range m.Data.(metricdata.Gauge[float64]).DataPoints {
+						got = append(got, dp.Value)
+					}
+				}
+			}
+		}
+		require.Len(t, got, 1, "observed")
+		require.InDelta(t, time.Since(oldestPartitionStart(t, b, "dedup_marker")).Seconds(), got[0], 5, "the current partition's start")
+	}
 }

@@ -115,6 +115,9 @@ type store struct {
 	// or of the default partition's first-expiring marker, whichever is
 	// older, read from the catalog and the default partition's index.
 	oldest string
+	// oldestRanges is oldest of the range partitions alone (partitioned
+	// layout), for a role that may not read the default partition.
+	oldestRanges string
 	// inDefault says whether the default partition holds a marker of the
 	// range [$1, $2) (partitioned layout).
 	inDefault string
@@ -186,10 +189,12 @@ WHERE set_config('lock_timeout', $7, true) IS NOT NULL AND CASE WHEN `+self+` = 
 		// Retention plus its width plus the prune interval, pruning is
 		// not keeping up. Bounds are deparsed without the relation (see
 		// listPartitionsSQL), so no partition's lock is waited for.
+		ranges := `SELECT min(substring(pg_get_expr(c.relpartbound, 0) FROM $$FROM \('([^']+)'\)$$)::timestamptz)
+	FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = ` + self
 		st.oldest = `SELECT extract(epoch FROM now() - least(
 	(SELECT claimed_at FROM ` + defaultPartition + ` ORDER BY expires_at LIMIT 1),
-	(SELECT min(substring(pg_get_expr(c.relpartbound, 0) FROM $$FROM \('([^']+)'\)$$)::timestamptz)
-		FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = ` + self + `)))::float8`
+	(` + ranges + `)))::float8`
+		st.oldestRanges = `SELECT extract(epoch FROM now() - (` + ranges + `))::float8`
 	}
 	st.stmts = []*stmt{beginStmt, commitStmt, rollbackStmt, st.look, st.insert, st.insertLast, st.complete, st.guard, st.read, st.self}
 	if partitioned {

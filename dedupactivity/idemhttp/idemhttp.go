@@ -590,7 +590,13 @@ func (r *recorder) trailers() http.Header {
 func writeResponse(w http.ResponseWriter, resp response) {
 	h := w.Header()
 	for k, v := range resp.Header {
-		h[k] = v
+		if _, trailer := resp.Trailer[k]; !trailer {
+			// A declared trailer's name set as a header before the
+			// status is no header (net/http sends it as the trailer
+			// only): copied, net/http would send both values in the
+			// trailer.
+			h[k] = v
+		}
 	}
 	for k, v := range resp.Trailer {
 		h[http.TrailerPrefix+k] = v

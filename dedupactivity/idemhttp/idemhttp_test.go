@@ -805,3 +805,27 @@ func TestResponseStoredWithoutTrailersReplays(t *testing.T) {
 	require.Equal(t, "old", got.body)
 	require.Nil(t, got.trailer)
 }
+
+// TestDeclaredTrailerAlsoSetAsHeader: a declared trailer whose name the
+// handler also set as a header before its status is sent, first and
+// replayed, as net/http sends it: once, with its final value.
+func TestDeclaredTrailerAlsoSetAsHeader(t *testing.T) {
+	t.Parallel()
+	h := func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Trailer", "X-Sum")
+		w.Header().Set("X-Sum", "early")
+		w.WriteHeader(http.StatusCreated)
+		_, _ = w.Write([]byte("body"))
+		w.Header().Set("X-Sum", "final")
+	}
+	direct := httptest.NewServer(http.HandlerFunc(h))
+	defer direct.Close()
+	want := sendKeyed(t, direct)
+	require.Equal(t, []string{"final"}, want.trailer.Values("X-Sum"))
+
+	_, m := newMiddleware(t, idemhttp.Options{ReplayHeaders: []string{"X-Sum"}})
+	srv := httptest.NewServer(m.Handler(http.HandlerFunc(h)))
+	defer srv.Close()
+	require.Equal(t, want.trailer, sendKeyed(t, srv).trailer, "first")
+	require.Equal(t, want.trailer, sendKeyed(t, srv).trailer, "replayed")
+}
