@@ -97,8 +97,10 @@ const (
 	// MetricAttempts counts wrapped attempts by dedup.outcome,
 	// activity_type, namespace, task_queue and (on errors) error.type. Unit
 	// {attempt}. The first attempt of an activity type, namespace and task
-	// queue makes the series of the outcomes and error types known up front
-	// at zero, so that the first of each shows in PromQL's increase().
+	// queue makes the series of claimed, duplicate, payload_mismatch and
+	// claim_timeout at zero, so that the next of each shows in PromQL's
+	// increase() (that first attempt's own outcome, counted before any
+	// collection, shows only from its second).
 	MetricAttempts = "dedup.attempts"
 	// MetricClaimDuration is the time spent claiming an event, in seconds,
 	// with the attributes of MetricAttempts: from the attempt's start to the
@@ -123,6 +125,8 @@ const (
 	// partition's first-expiring marker if older, read from the catalog
 	// and the default partition's index: past Retention plus
 	// PartitionInterval plus the prune interval, pruning is not keeping up.
+	// A role that may not read the default partition (docs/design.md,
+	// Security) gets the range partitions' bounds alone.
 	MetricOldestMarkerAge = "dedup.marker.oldest_age"
 )
 
@@ -221,11 +225,14 @@ type seedKey struct {
 	sdk                                              bool
 }
 
-// maxSeeded bounds telemetry.seeded: activity types x namespaces x task
-// queues (x workflow types, through the SDK's handler) of one worker stay
-// far below it. Past it, a new combination's series appear with their
-// first attempt, as before.
-const maxSeeded = 1024
+// maxSeeded bounds telemetry.seeded, the activity types x namespaces x
+// task queues (x workflow types, through the SDK's handler) whose series
+// are made at zero: at most 4 x 128 zero series per instrument, a quarter
+// of the OpenTelemetry SDK's default cardinality limit (2000), past which
+// real attempts would be counted in the overflow series, without their
+// labels. Past it, a new combination's series appear with their first
+// attempt.
+const maxSeeded = 128
 
 // measureOpts is one attribute set as the option lists of the instruments'
 // calls, so a call with a cached set allocates no variadic slice.
@@ -250,32 +257,27 @@ type setKey struct {
 // namespaces x task queues of one worker stay far below it.
 const maxCachedSets = 4096
 
-// zeroOutcomesFor lists the outcomes and error types whose series are made
-// at zero: claimed and duplicate, payload_mismatch without an error under
-// MismatchReturnStored, and each error type of this package's errors
-// (errorClasses) with the outcome it comes with. Errors of other types (an
-// effect's, a SQLSTATE) cannot be known before they happen.
+// zeroOutcomesFor lists the outcomes, with their error types, whose series
+// are made at zero: those the dashboard and the alert rules read (claimed,
+// duplicate, payload_mismatch, claim_timeout), not every error type, so
+// that a worker's zero series stay well below OpenTelemetry's default limit
+// of 2000 series per instrument (see maxSeeded).
 func zeroOutcomesFor(policy MismatchPolicy) []outcomeType {
-	out := []outcomeType{{OutcomeClaimed, ""}, {OutcomeDuplicate, ""}}
+	mismatch := outcomeType{OutcomePayloadMismatch, errorTypeOf(ErrPayloadMismatch)}
 	if policy == MismatchReturnStored {
-		out = append(out, outcomeType{OutcomePayloadMismatch, ""})
+		mismatch.errType = ""
 	}
-	seen := map[string]bool{}
+	return []outcomeType{{OutcomeClaimed, ""}, {OutcomeDuplicate, ""}, mismatch, {OutcomeClaimTimeout, errorTypeOf(ErrClaimTimeout)}}
+}
+
+// errorTypeOf is the error.type of this package's sentinel (errorClasses).
+func errorTypeOf(sentinel error) string {
 	for _, c := range errorClasses {
-		if seen[c.typ] {
-			continue
+		if c.sentinel == sentinel {
+			return c.typ
 		}
-		seen[c.typ] = true
-		o := OutcomeError
-		switch c.sentinel {
-		case ErrPayloadMismatch:
-			o = OutcomePayloadMismatch
-		case ErrClaimTimeout:
-			o = OutcomeClaimTimeout
-		}
-		out = append(out, outcomeType{o, c.typ})
 	}
-	return out
+	return ""
 }
 
 // newTelemetry makes the instruments, and the pruned counter's series of

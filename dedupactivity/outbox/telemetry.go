@@ -88,8 +88,10 @@ const (
 )
 
 // maxZeroDestinations bounds the destinations whose series one zeroSeries
-// makes: an outbox's destinations stay far below it.
-const maxZeroDestinations = 1024
+// makes: at most 5 x 64 zero series per instrument, well below the
+// OpenTelemetry SDK's default cardinality limit (2000), past which real
+// counts would go to the overflow series without their labels.
+const maxZeroDestinations = 64
 
 // zeroSeries makes a counter's series at zero for each value of one key
 // (the results, the actions) with each destination, once per destination.
