@@ -7,9 +7,11 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5/pgconn"
 
@@ -402,10 +404,33 @@ func (t *telemetry) start(ctx context.Context, info activity.Info, id Identity, 
 // partitioned layout refuses): a span, and MetricAttempts under
 // OutcomeError with err's error.type. Having claimed nothing, it records no
 // claim duration. hash is nil when the attempt had no valid identity.
+//
+// A refused identity (Do's, outside an activity) may name an activity type
+// or namespace of any length and any bytes: they are cut to maxLabelBytes
+// of valid UTF-8 for the span and the metric's labels.
 func (t *telemetry) failed(ctx context.Context, info activity.Info, id Identity, hash []byte, err error) {
+	info.ActivityType.Name, info.Namespace, id.Namespace = label(info.ActivityType.Name), label(info.Namespace), label(id.Namespace)
 	ctx, r := t.startSpan(ctx, info, id, hash)
 	r.outcome, r.noClaim = OutcomeError, true
 	t.end(ctx, r, err)
+}
+
+// maxLabelBytes bounds a label value that failed takes from a refused
+// identity.
+const maxLabelBytes = 128
+
+// label is s as valid UTF-8 (U+FFFD for each bad byte) of at most
+// maxLabelBytes, cut at a rune boundary.
+func label(s string) string {
+	s = strings.ToValidUTF8(s, "\uFFFD")
+	if len(s) <= maxLabelBytes {
+		return s
+	}
+	cut := maxLabelBytes
+	for cut > 0 && !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	return s[:cut]
 }
 
 // startSpan is start with the hash as a slice; nil leaves IdentityHashKey

@@ -11,6 +11,7 @@ import (
 	"sync"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
@@ -557,6 +558,36 @@ func TestAttemptsThatFailBeforeTheClaim(t *testing.T) {
 	require.Equal(t, codes.Error, s.Status().Code)
 	require.Equal(t, hex.EncodeToString(hashOf(id)), attr(s, dedupactivity.IdentityHashKey).AsString())
 	require.Equal(t, int64(1), outsideAttempts(t, p.reader)["error/"+dedupactivity.ErrTypeInvalidUsage])
+
+	// An identity refused for its size names an activity type of any
+	// length and bytes: its span and labels carry at most 128 bytes of it,
+	// as valid UTF-8.
+	l := setupTelemetry(t, dedupactivity.Options{})
+	huge := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, Namespace: "ns", ActivityType: "\xff" + strings.Repeat("é", dedupactivity.MaxIdentityBytes), Key: "k"}
+	_, _, err = dedupactivity.Do(context.Background(), l.d, huge, Transfer{}, l.post)
+	require.ErrorIs(t, err, dedupactivity.ErrIdentityTooLarge)
+	require.Len(t, l.spans.Ended(), 1)
+	got := attr(l.spans.Ended()[0], "activity_type").AsString()
+	require.True(t, utf8.ValidString(got), "%q", got)
+	require.LessOrEqual(t, len(got), 128)
+	require.True(t, strings.HasPrefix(got, "\uFFFDé"), "%q", got)
+	var labels []string
+	var rm2 metricdata.ResourceMetrics
+	require.NoError(t, l.reader.Collect(context.Background(), &rm2))
+	for _, sm := range rm2.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if m.Name == dedupactivity.MetricAttempts {
+				for _, dp := range m.Data.(metricdata.Sum[int64]).DataPoints {
+					v, _ := dp.Attributes.Value("activity_type")
+					labels = append(labels, v.AsString())
+				}
+			}
+		}
+	}
+	require.NotEmpty(t, labels)
+	for _, v := range labels {
+		require.Equal(t, got, v)
+	}
 }
 
 // outsideAttempts returns the non-zero dedup.attempts series of reader by

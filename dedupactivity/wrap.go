@@ -216,9 +216,10 @@ func (w *wrapper[In, Out]) run(ctx context.Context, in In) (Out, error) {
 
 // apply runs one attempt of the event id: it validates the identity,
 // fingerprints a business-keyed input, traces the attempt, and claims and
-// applies. An identity it refuses is traced and counted too. A first delivery returns the effect's value as it is, or, with
-// decodeClaimed, as the data converter decodes it (what a duplicate
-// returns; the SDK does the same round trip for an activity's result).
+// applies. An identity it refuses is traced and counted too. A first
+// delivery returns the effect's value as it is, or, with decodeClaimed, as
+// the data converter decodes it (what a duplicate returns; the SDK does the
+// same round trip for an activity's result).
 func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Identity, in In, decodeClaimed bool) (out Out, a attempt, err error) {
 	a.outcome = OutcomeError
 	m, err := w.d.newMarker(info, id, w.cfg.retention)
