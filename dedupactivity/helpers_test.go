@@ -9,6 +9,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 	"go.temporal.io/sdk/activity"
 	"go.temporal.io/sdk/testsuite"
 
@@ -151,6 +153,37 @@ func countingPool(t *testing.T, b *testBundle, configure func(*pgxpool.Config)) 
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
 	return pool, &writes
+}
+
+// newPool is a pool to b's schema whose configuration configure adjusts.
+func (b *testBundle) newPool(t *testing.T, configure func(*pgxpool.Config)) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(b.schema.URL)
+	require.NoError(t, err)
+	configure(cfg)
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	return pool
+}
+
+// gaugeValues are the values of the gauge name in one collection of
+// reader.
+func gaugeValues(t *testing.T, reader *sdkmetric.ManualReader, name string) []float64 {
+	t.Helper()
+	var rm metricdata.ResourceMetrics
+	require.NoError(t, reader.Collect(context.Background(), &rm))
+	var got []float64
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if m.Name == name {
+				for _, dp := range m.Data.(metricdata.Gauge[float64]).DataPoints {
+					got = append(got, dp.Value)
+				}
+			}
+		}
+	}
+	return got
 }
 
 // countingDeduper is a Deduper with default Options on a countingPool.

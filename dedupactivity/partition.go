@@ -138,7 +138,8 @@ func (d *Deduper) partitions(ctx context.Context) ([]partition, error) {
 // retention (most of them) is passed over without blocking claims. One that
 // looks expired is checked again in a transaction that holds the
 // partition's own lock, which only claims of its range (deliveries
-// scheduled that long ago) and retries' result updates wait for, and then
+// scheduled that long ago) wait for (a result update is planned for its
+// parameters in this layout, so it locks its own partition alone), and then
 // detached and dropped: the table's lock, which every claim waits for, is
 // held for the detach and the drop alone, which read no rows. A claim of
 // the partition's range that holds the table's lock meanwhile ends the

@@ -13,7 +13,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
-	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 	"go.temporal.io/sdk/activity"
 	"go.temporal.io/sdk/testsuite"
 
@@ -355,13 +354,8 @@ func TestDropChecksThePartitionWithoutTheTableLock(t *testing.T) {
 	t.Parallel()
 	b, opts := expiredPartition(t)
 	ctx := context.Background()
-	cfg, err := pgxpool.ParseConfig(b.schema.URL)
-	require.NoError(t, err)
 	spy := &lockSpy{pool: b.pool}
-	cfg.ConnConfig.Tracer = spy
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
+	pool := b.newPool(t, func(cfg *pgxpool.Config) { cfg.ConnConfig.Tracer = spy })
 	d, err := dedupactivity.New(pool, opts)
 	require.NoError(t, err)
 	n, err := d.Prune(ctx)
@@ -401,12 +395,7 @@ func TestPruneGoesOnPastAPartitionItCannotRead(t *testing.T) {
 	_, err = holder.Exec(ctx, `LOCK TABLE `+partitionName(past)+` IN ACCESS EXCLUSIVE MODE`)
 	require.NoError(t, err)
 
-	cfg, err := pgxpool.ParseConfig(b.schema.URL)
-	require.NoError(t, err)
-	cfg.ConnConfig.RuntimeParams["statement_timeout"] = "300"
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
+	pool := b.newPool(t, func(cfg *pgxpool.Config) { cfg.ConnConfig.RuntimeParams["statement_timeout"] = "300" })
 	d, err := dedupactivity.New(pool, opts)
 	require.NoError(t, err)
 	n, err := d.Prune(ctx)
@@ -433,21 +422,7 @@ func TestOldestMarkerAgeOfPartitions(t *testing.T) {
 	d, err := dedupactivity.New(b.pool, opts)
 	require.NoError(t, err)
 	require.NoError(t, d.Migrate(ctx))
-	age := func() []float64 {
-		var rm metricdata.ResourceMetrics
-		require.NoError(t, reader.Collect(ctx, &rm))
-		var got []float64
-		for _, sm := range rm.ScopeMetrics {
-			for _, m := range sm.Metrics {
-				if m.Name == dedupactivity.MetricOldestMarkerAge {
-					for _, dp := range m.Data.(metricdata.Gauge[float64]).DataPoints {
-						got = append(got, dp.Value)
-					}
-				}
-			}
-		}
-		return got
-	}
+	age := func() []float64 { return gaugeValues(t, reader, dedupactivity.MetricOldestMarkerAge) }
 	current := oldestPartitionStart(t, b, "parted")
 	got := age()
 	require.Len(t, got, 1)
@@ -574,12 +549,7 @@ func TestDropBesideARetrysResultUpdate(t *testing.T) {
 	var part string
 	require.NoError(t, b.pool.QueryRow(ctx, `SELECT tableoid::regclass::text FROM dedup_marker`).Scan(&part))
 
-	ccfg, err := pgxpool.ParseConfig(b.schema.URL)
-	require.NoError(t, err)
-	ccfg.ConnConfig.RuntimeParams["plan_cache_mode"] = "force_generic_plan"
-	cpool, err := pgxpool.NewWithConfig(ctx, ccfg)
-	require.NoError(t, err)
-	t.Cleanup(cpool.Close)
+	cpool := b.newPool(t, func(cfg *pgxpool.Config) { cfg.ConnConfig.RuntimeParams["plan_cache_mode"] = "force_generic_plan" })
 	claimer, err := dedupactivity.New(cpool, opts)
 	require.NoError(t, err)
 	dedupactivity.SetAfterClaimHook(claimer, func(context.Context, pgx.Tx) error { return nil }) // claims first, as a retry
@@ -589,9 +559,7 @@ func TestDropBesideARetrysResultUpdate(t *testing.T) {
 
 	var blocked bool
 	claimDone := make(chan error, 1)
-	pcfg, err := pgxpool.ParseConfig(b.schema.URL)
-	require.NoError(t, err)
-	pcfg.ConnConfig.Tracer = countHook{part: &part, fn: func() {
+	hook := countHook{part: &part, fn: func() {
 		go func() {
 			_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
 			claimDone <- err
@@ -600,9 +568,7 @@ func TestDropBesideARetrysResultUpdate(t *testing.T) {
 			blocked = b.count(t, `SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = $1::regclass`, part) > 0
 		}
 	}}
-	ppool, err := pgxpool.NewWithConfig(ctx, pcfg)
-	require.NoError(t, err)
-	t.Cleanup(ppool.Close)
+	ppool := b.newPool(t, func(cfg *pgxpool.Config) { cfg.ConnConfig.Tracer = hook })
 	pruner, err := dedupactivity.New(ppool, opts)
 	require.NoError(t, err)
 	_, err = pruner.Prune(ctx)

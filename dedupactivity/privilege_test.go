@@ -10,7 +10,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
-	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 )
@@ -139,18 +138,7 @@ func TestLeastPrivilegeOldestMarkerGaugePartitioned(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, d.Migrate(ctx))
 	for range 2 {
-		var rm metricdata.ResourceMetrics
-		require.NoError(t, reader.Collect(ctx, &rm))
-		var got []float64
-		for _, sm := range rm.ScopeMetrics {
-			for _, m := range sm.Metrics {
-				if m.Name == dedupactivity.MetricOldestMarkerAge {
-					for _, dp := range m.Data.(metricdata.Gauge[float64]).DataPoints {
-						got = append(got, dp.Value)
-					}
-				}
-			}
-		}
+		got := gaugeValues(t, reader, dedupactivity.MetricOldestMarkerAge)
 		require.Len(t, got, 1, "observed")
 		require.InDelta(t, time.Since(oldestPartitionStart(t, b, "dedup_marker")).Seconds(), got[0], 5, "the current partition's start")
 	}
