@@ -265,8 +265,9 @@ func (s *store) createPartition(name string, lo, hi time.Time) string {
 // attachPartition makes the range partition name for [lo, hi) as a table
 // of its own, then attaches it (see attachAhead). The attach builds the
 // table's primary key index, on no rows, and reads the default partition
-// for rows of the range under that partition's lock, which only claims
-// routed there wait for.
+// for rows of the range under that partition's lock (which claims routed
+// there, and first attempts' looks with a generic plan, hold: see
+// attachAhead).
 func (s *store) attachPartition(name string, lo, hi time.Time) []string {
 	return []string{
 		// The attach's lock on the table first: it conflicts with itself,
