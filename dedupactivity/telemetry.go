@@ -405,11 +405,14 @@ func (t *telemetry) start(ctx context.Context, info activity.Info, id Identity, 
 // OutcomeError with err's error.type. Having claimed nothing, it records no
 // claim duration. hash is nil when the attempt had no valid identity.
 //
-// A refused identity (Do's, outside an activity) may name an activity type
-// or namespace of any length and any bytes: they are cut to maxLabelBytes
-// of valid UTF-8 for the span and the metric's labels.
+// A refused identity (Do's, outside an activity) may hold names and IDs of
+// any length and any bytes: they are cut to maxLabelBytes of valid UTF-8
+// for the span and the metric's labels (an exporter's protobuf encoding
+// fails a batch on invalid UTF-8).
 func (t *telemetry) failed(ctx context.Context, info activity.Info, id Identity, hash []byte, err error) {
 	info.ActivityType.Name, info.Namespace, id.Namespace = label(info.ActivityType.Name), label(info.Namespace), label(id.Namespace)
+	info.WorkflowExecution.ID, info.WorkflowExecution.RunID = label(info.WorkflowExecution.ID), label(info.WorkflowExecution.RunID)
+	info.ActivityID, info.ActivityRunID = label(info.ActivityID), label(info.ActivityRunID)
 	ctx, r := t.startSpan(ctx, info, id, hash)
 	r.outcome, r.noClaim = OutcomeError, true
 	t.end(ctx, r, err)
@@ -419,7 +422,7 @@ func (t *telemetry) failed(ctx context.Context, info activity.Info, id Identity,
 // identity.
 const maxLabelBytes = 128
 
-// label is s as valid UTF-8 (U+FFFD for each bad byte) of at most
+// label is s as valid UTF-8 (U+FFFD for each run of bad bytes) of at most
 // maxLabelBytes, cut at a rune boundary.
 func label(s string) string {
 	s = strings.ToValidUTF8(s, "\uFFFD")

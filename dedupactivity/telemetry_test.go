@@ -563,7 +563,8 @@ func TestAttemptsThatFailBeforeTheClaim(t *testing.T) {
 	// length and bytes: its span and labels carry at most 128 bytes of it,
 	// as valid UTF-8.
 	l := setupTelemetry(t, dedupactivity.Options{})
-	huge := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, Namespace: "ns", ActivityType: "\xff" + strings.Repeat("é", dedupactivity.MaxIdentityBytes), Key: "k"}
+	huge := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, Namespace: "ns", ActivityType: "\xff" + strings.Repeat("é", dedupactivity.MaxIdentityBytes), Key: "k",
+		WorkflowID: "\xff" + strings.Repeat("w", dedupactivity.MaxIdentityBytes)}
 	_, _, err = dedupactivity.Do(context.Background(), l.d, huge, Transfer{}, l.post)
 	require.ErrorIs(t, err, dedupactivity.ErrIdentityTooLarge)
 	require.Len(t, l.spans.Ended(), 1)
@@ -571,6 +572,12 @@ func TestAttemptsThatFailBeforeTheClaim(t *testing.T) {
 	require.True(t, utf8.ValidString(got), "%q", got)
 	require.LessOrEqual(t, len(got), 128)
 	require.True(t, strings.HasPrefix(got, "\uFFFDé"), "%q", got)
+	for _, kv := range l.spans.Ended()[0].Attributes() {
+		if kv.Value.Type() == attribute.STRING {
+			require.True(t, utf8.ValidString(kv.Value.AsString()), "%s", kv.Key)
+			require.LessOrEqual(t, len(kv.Value.AsString()), 128, "%s", kv.Key)
+		}
+	}
 	var labels []string
 	var rm2 metricdata.ResourceMetrics
 	require.NoError(t, l.reader.Collect(context.Background(), &rm2))

@@ -590,18 +590,19 @@ func (r *recorder) trailers() http.Header {
 func writeResponse(w http.ResponseWriter, resp response) {
 	h := w.Header()
 	for k, v := range resp.Header {
-		if _, trailer := resp.Trailer[k]; !trailer {
-			// A declared trailer's name set as a header before the
-			// status is no header (net/http sends it as the trailer
-			// only): copied, net/http would send both values in the
-			// trailer.
-			h[k] = v
-		}
+		h[k] = v
 	}
 	for k, v := range resp.Trailer {
 		h[http.TrailerPrefix+k] = v
 	}
 	w.WriteHeader(resp.Status)
+	// The header is sent as it is now. A trailer's name that is also a
+	// header (a declared one set before the status, say) is removed from
+	// it, so that net/http, which reads the trailers from it after the
+	// body, sends the trailer's values alone.
+	for k := range resp.Trailer {
+		delete(h, k)
+	}
 	_, _ = w.Write(resp.Body)
 }
 

@@ -806,26 +806,44 @@ func TestResponseStoredWithoutTrailersReplays(t *testing.T) {
 	require.Nil(t, got.trailer)
 }
 
-// TestDeclaredTrailerAlsoSetAsHeader: a declared trailer whose name the
-// handler also set as a header before its status is sent, first and
-// replayed, as net/http sends it: once, with its final value.
-func TestDeclaredTrailerAlsoSetAsHeader(t *testing.T) {
+// TestTrailerNameAlsoAHeader: a trailer whose name is also a header set
+// before the status (declared in Trailer, or set with http.TrailerPrefix)
+// is sent, first and replayed, as net/http sends it: the header with its
+// value at the status, the trailer once with its final value.
+func TestTrailerNameAlsoAHeader(t *testing.T) {
 	t.Parallel()
-	h := func(w http.ResponseWriter, r *http.Request) {
-		w.Header().Set("Trailer", "X-Sum")
-		w.Header().Set("X-Sum", "early")
-		w.WriteHeader(http.StatusCreated)
-		_, _ = w.Write([]byte("body"))
-		w.Header().Set("X-Sum", "final")
-	}
-	direct := httptest.NewServer(http.HandlerFunc(h))
-	defer direct.Close()
-	want := sendKeyed(t, direct)
-	require.Equal(t, []string{"final"}, want.trailer.Values("X-Sum"))
+	for name, h := range map[string]http.HandlerFunc{
+		"declared": func(w http.ResponseWriter, r *http.Request) {
+			w.Header().Set("Trailer", "X-Sum")
+			w.Header().Set("X-Sum", "early")
+			w.WriteHeader(http.StatusCreated)
+			_, _ = w.Write([]byte("body"))
+			w.Header().Set("X-Sum", "final")
+		},
+		"prefixed": func(w http.ResponseWriter, r *http.Request) {
+			w.Header().Set("X-Sum", "early")
+			w.Header().Set(http.TrailerPrefix+"X-Sum", "x")
+			w.WriteHeader(http.StatusCreated)
+			_, _ = w.Write([]byte("body"))
+			w.Header().Set(http.TrailerPrefix+"X-Sum", "final")
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			direct := httptest.NewServer(h)
+			defer direct.Close()
+			want := sendKeyed(t, direct)
+			require.Equal(t, []string{"early"}, want.header.Values("X-Sum"))
+			require.Equal(t, []string{"final"}, want.trailer.Values("X-Sum"))
 
-	_, m := newMiddleware(t, idemhttp.Options{ReplayHeaders: []string{"X-Sum"}})
-	srv := httptest.NewServer(m.Handler(http.HandlerFunc(h)))
-	defer srv.Close()
-	require.Equal(t, want.trailer, sendKeyed(t, srv).trailer, "first")
-	require.Equal(t, want.trailer, sendKeyed(t, srv).trailer, "replayed")
+			_, m := newMiddleware(t, idemhttp.Options{ReplayHeaders: []string{"X-Sum"}})
+			srv := httptest.NewServer(m.Handler(h))
+			defer srv.Close()
+			for _, which := range []string{"first", "replayed"} {
+				got := sendKeyed(t, srv)
+				require.Equal(t, want.header.Values("X-Sum"), got.header.Values("X-Sum"), which)
+				require.Equal(t, want.trailer, got.trailer, which)
+			}
+		})
+	}
 }
