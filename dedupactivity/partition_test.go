@@ -566,7 +566,14 @@ func TestDropBesideARetrysResultUpdate(t *testing.T) {
 			_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
 			claimDone <- err
 		}()
-		for deadline := time.Now().Add(3 * time.Second); time.Now().Before(deadline) && !blocked && len(claimDone) == 0; time.Sleep(5 * time.Millisecond) {
+		// Until the claim has ended or waits for the partition's lock; a
+		// claim still running when the check goes on would hold the
+		// table's lock that the detach then waits for.
+		for deadline := time.Now().Add(30 * time.Second); !blocked && len(claimDone) == 0; time.Sleep(5 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Error("the claim neither ended nor waited within 30s")
+				return
+			}
 			blocked = b.count(t, `SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = $1::regclass`, part) > 0
 		}
 	}}
