@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/url"
 	"time"
+	"unicode/utf8"
 
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
@@ -242,6 +243,55 @@ type ReconcileReport struct {
 	Rejected []string
 	// Unresolved lists the messages left as they were, and why.
 	Unresolved []Unresolved
+	// NotListed counts the messages left out of Rejected and Unresolved in
+	// the reconcile activity's result (see RegisterReconciler), which lists
+	// at most 500 of each, with each LastError and Reason cut to 256
+	// bytes, so that it stays under Temporal's limit on a payload (2 MB by
+	// default) whatever MaxMessages and the destinations' errors. Reconcile
+	// itself lists every one.
+	NotListed int
+}
+
+// Bounds of the reconcile activity's result (see ReconcileReport.NotListed).
+const (
+	maxListed     = 500
+	maxListedText = 256
+)
+
+// listed is rep as the reconcile activity returns it: Rejected and
+// Unresolved cut to maxListed entries, and each entry's text to
+// maxListedText bytes.
+func (rep ReconcileReport) listed() ReconcileReport {
+	if n := len(rep.Rejected) - maxListed; n > 0 {
+		rep.Rejected, rep.NotListed = rep.Rejected[:maxListed], rep.NotListed+n
+	}
+	if n := len(rep.Unresolved) - maxListed; n > 0 {
+		rep.Unresolved, rep.NotListed = rep.Unresolved[:maxListed], rep.NotListed+n
+	}
+	unresolved := make([]Unresolved, len(rep.Unresolved))
+	for i, u := range rep.Unresolved {
+		u.LastError, u.Reason = cut(u.LastError, maxListedText), cut(u.Reason, maxListedText)
+		unresolved[i] = u
+	}
+	rep.Unresolved = unresolved
+	return rep
+}
+
+// cut is s cut to at most n bytes, at a rune boundary.
+func cut(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	for n > 0 && !utf8.RuneStart(s[n]) {
+		n--
+	}
+	return s[:n]
+}
+
+// reconcileActivity runs Reconcile and returns its report as listed.
+func (rc *Reconciler) reconcileActivity(ctx context.Context) (ReconcileReport, error) {
+	rep, err := rc.Reconcile(ctx)
+	return rep.listed(), err
 }
 
 // Unresolved is a message the reconciler could not settle.

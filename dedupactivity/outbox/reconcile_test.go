@@ -7,9 +7,11 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/attribute"
@@ -17,7 +19,9 @@ import (
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"go.temporal.io/sdk/converter"
 	"go.temporal.io/sdk/testsuite"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity/idemhttp"
 	"github.com/dedupactivity/dedupactivity/dedupactivity/outbox"
@@ -558,4 +562,42 @@ func TestReconcileStoppedDuringACheck(t *testing.T) {
 	require.Zero(t, rep.Checked)
 	require.Zero(t, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE checked_at IS NOT NULL`))
 	require.Equal(t, 2, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'dead'`), "left as they were")
+}
+
+// TestReconcileActivityResultIsBounded: the reconcile activity's result,
+// which Temporal refuses past its payload limit (2 MB by default), lists
+// at most 500 unresolved messages with their texts cut to 256 bytes,
+// whatever MaxMessages and the destination's errors; NotListed counts the
+// rest, which are still marked checked.
+func TestReconcileActivityResultIsBounded(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	_, err := b.schema.Pool.Exec(ctx, `INSERT INTO dedup_outbox (idempotency_key, event_key, destination, name, headers, payload, state, last_error)
+		SELECT 'key-' || g, '', 'receipts', 'receipt', '{}', '{}', 'dead', repeat('é', 1000) FROM generate_series(1, 700) g`)
+	require.NoError(t, err)
+	long := errors.New(strings.Repeat("the destination said no; ", 200)) // 5000 bytes
+	rc, err := outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{Checker: outbox.CheckerFunc(func(context.Context, outbox.Delivery) (bool, error) {
+		return false, long
+	})})
+	require.NoError(t, err)
+	var suite testsuite.WorkflowTestSuite
+	env := suite.NewTestWorkflowEnvironment()
+	outbox.RegisterReconciler(env, rc)
+	env.ExecuteWorkflow("DedupOutboxReconcile", outbox.ReconcileActivityName(rc))
+	require.NoError(t, env.GetWorkflowError())
+	var rep outbox.ReconcileReport
+	require.NoError(t, env.GetWorkflowResult(&rep))
+	require.Equal(t, 700, rep.Checked)
+	require.Equal(t, 500, len(rep.Unresolved))
+	require.Equal(t, 200, rep.NotListed)
+	for _, u := range rep.Unresolved {
+		require.LessOrEqual(t, len(u.Reason), 256)
+		require.LessOrEqual(t, len(u.LastError), 256)
+		require.True(t, utf8.ValidString(u.LastError), "cut at a rune boundary")
+	}
+	p, err := converter.GetDefaultDataConverter().ToPayload(rep)
+	require.NoError(t, err)
+	require.Less(t, proto.Size(p), 512*1024, "under Temporal's payload warning size, let alone its limit")
+	require.Equal(t, 700, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE checked_at IS NOT NULL`), "every one marked checked")
 }

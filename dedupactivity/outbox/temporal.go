@@ -56,10 +56,12 @@ func (r *Relay) Activity(ctx context.Context) (RelayResult, error) {
 }
 
 // RegisterReconciler registers the reconcile workflow and rc's activity on a
-// worker; the activity runs Reconcile and returns its ReconcileReport.
+// worker; the activity runs Reconcile and returns its ReconcileReport, with
+// at most 500 keys listed in each of Rejected and Unresolved (see
+// ReconcileReport.NotListed).
 func RegisterReconciler(r worker.Registry, rc *Reconciler) {
 	r.RegisterWorkflowWithOptions(sweep[ReconcileReport], workflow.RegisterOptions{Name: reconcileWorkflowName, DisableAlreadyRegisteredCheck: true})
-	r.RegisterActivityWithOptions(rc.Reconcile, activity.RegisterOptions{Name: rc.reconcileActivityName()})
+	r.RegisterActivityWithOptions(rc.reconcileActivity, activity.RegisterOptions{Name: rc.reconcileActivityName()})
 }
 
 // PruneResult is what one run of the prune activity did.
