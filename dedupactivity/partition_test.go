@@ -365,7 +365,10 @@ func TestDropChecksThePartitionWithoutTheTableLock(t *testing.T) {
 	require.Equal(t, int64(1), n, "the partition is dropped")
 	spy.mu.Lock()
 	defer spy.mu.Unlock()
-	require.Equal(t, []bool{false}, spy.held, "the check ran once, without the table's lock")
+	// Each past partition is checked (under load, a 2s partition made
+	// empty by Migrate may be past too), none with the table's lock.
+	require.NotEmpty(t, spy.held, "checked")
+	require.NotContains(t, spy.held, true, "a check ran with the table's lock")
 }
 
 // TestPruneGoesOnPastAPartitionItCannotRead: a past partition Prune cannot
