@@ -587,7 +587,7 @@ func TestDropBesideARetrysResultUpdate(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, <-claimDone)
 	require.False(t, blocked, "the claim waited for the expired partition's lock")
-	require.Zero(t, b.count(t, `SELECT count(*) FROM pg_class WHERE relname = $1`, part), "the expired partition is dropped")
+	require.Zero(t, b.count(t, `SELECT count(*) FROM pg_class WHERE relname = $1 AND relnamespace = current_schema()::regnamespace`, part), "the expired partition is dropped")
 }
 
 // oldestPartitionStart is the start of table's oldest range partition, read
