@@ -36,8 +36,7 @@ func TestPartitionedLayout(t *testing.T) {
 	fn := dedupactivity.Wrap(b.d, b.post)
 	_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
 	require.NoError(t, err)
-	var part string
-	require.NoError(t, b.pool.QueryRow(ctx, `SELECT tableoid::regclass::text FROM dedup_marker`).Scan(&part))
+	part := markerPartition(t, b)
 	require.NotEqual(t, "dedup_marker_default", part, "the marker sits in its scheduled time's partition")
 
 	// Unexpired: the partition outlives its range, and Prune passes it over
@@ -201,6 +200,14 @@ func TestRangeLeftInTheDefaultPartition(t *testing.T) {
 	require.Equal(t, int64(1), b.count(t, `SELECT count(*) FROM pg_class WHERE relname = $1 AND relnamespace = current_schema()::regnamespace`, tomorrow), "the range ahead is made")
 }
 
+// markerPartition is the partition that holds b's one marker.
+func markerPartition(t *testing.T, b *testBundle) string {
+	t.Helper()
+	var part string
+	require.NoError(t, b.pool.QueryRow(context.Background(), `SELECT tableoid::regclass::text FROM dedup_marker`).Scan(&part))
+	return part
+}
+
 // expiredPartition sets up the partitioned layout, in partitions of 2s,
 // with one marker whose partition's range is over and which has expired:
 // the next Prune drops that partition.
@@ -225,8 +232,7 @@ func TestPartitionDroppedWhileAPrunerWaitsToLockIt(t *testing.T) {
 	t.Parallel()
 	b, _ := expiredPartition(t)
 	ctx := context.Background()
-	var part string
-	require.NoError(t, b.pool.QueryRow(ctx, `SELECT tableoid::regclass::text FROM dedup_marker`).Scan(&part))
+	part := markerPartition(t, b)
 
 	// A claim's lock on the partition (ROW EXCLUSIVE): the pruner reads the
 	// partition, then waits to lock it against writes.
@@ -551,8 +557,7 @@ func TestDropBesideARetrysResultUpdate(t *testing.T) {
 	t.Parallel()
 	b, opts := expiredPartition(t)
 	ctx := context.Background()
-	var part string
-	require.NoError(t, b.pool.QueryRow(ctx, `SELECT tableoid::regclass::text FROM dedup_marker`).Scan(&part))
+	part := markerPartition(t, b)
 
 	cpool := b.newPool(t, func(cfg *pgxpool.Config) { cfg.ConnConfig.RuntimeParams["plan_cache_mode"] = "force_generic_plan" })
 	claimer, err := dedupactivity.New(cpool, opts)
