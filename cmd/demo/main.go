@@ -399,24 +399,33 @@ func report(ctx context.Context, w *ledgerworker.Worker, rs *receiptsService, re
 	fmt.Fprintf(tw, "workflows started\t%d\t\n", len(results))
 	fmt.Fprintf(tw, "workflows completed\t%d\t\n", completed)
 	fmt.Fprintf(tw, "workflows failed\t%d\t\n", failed)
-	lost, stalled, lostDone := 0, 0, 0
+	var lostIDs []string
+	stalled := 0
 	for _, r := range results {
 		if r.req.Faults.LoseCompletion {
-			lost++
-			if r.err == nil {
-				lostDone++
-			}
+			lostIDs = append(lostIDs, r.req.TransferID)
 		}
 		if r.req.Faults.StallCredit > 0 {
 			stalled++
 		}
 	}
+	// A debit's lost completion fires only if its first attempt committed:
+	// one that waited past its StartToClose timeout (on the row lock of a
+	// stalled credit's account, say) rolled back, and its retry is a first
+	// claim. The ledger says which committed.
+	var lostFired int64
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM ledger_entry WHERE kind = 'debit' AND attempt = 1 AND transfer_id = ANY($1)`, lostIDs).Scan(&lostFired); err != nil {
+		return err
+	}
 	// The faults must have fired, or the invariant proves nothing: each
-	// completed transfer whose debit lost its completion was redelivered
-	// and found a duplicate, and the receipt whose acknowledgement was
-	// lost was sent again.
-	if dups := byOutcome[string(dedupactivity.OutcomeDuplicate)]; dups < int64(lostDone) {
-		problems = append(problems, fmt.Sprintf("%d completed transfers lost a completion, but only %d duplicates were seen: the faults did not fire", lostDone, dups))
+	// debit whose first attempt committed and lost its completion was
+	// redelivered and found a duplicate, and the receipt whose
+	// acknowledgement was lost was sent again.
+	switch dups := byOutcome[string(dedupactivity.OutcomeDuplicate)]; {
+	case dups < lostFired:
+		problems = append(problems, fmt.Sprintf("%d debits committed and lost their completion, but only %d duplicates were seen", lostFired, dups))
+	case len(lostIDs) > 0 && lostFired == 0:
+		problems = append(problems, fmt.Sprintf("none of the %d debits set to lose their completion committed at their first attempt: the fault did not fire", len(lostIDs)))
 	}
 	lostAcks := 0
 	switch {
@@ -433,7 +442,7 @@ func report(ctx context.Context, w *ledgerworker.Worker, rs *receiptsService, re
 	case completed > 0:
 		problems = append(problems, "no receipt was acknowledged, so none could lose its acknowledgement")
 	}
-	fmt.Fprintf(tw, "injected: lost completions\t%d\t\n", lost)
+	fmt.Fprintf(tw, "injected: lost completions\t%d of %d\t\n", lostFired, len(lostIDs))
 	fmt.Fprintf(tw, "injected: overlapping attempts\t%d\t\n", stalled)
 	fmt.Fprintf(tw, "injected: lost receipt acknowledgements\t%d\t\n", lostAcks)
 	fmt.Fprintf(tw, "activity attempts\t%d\t\n", attempts)
