@@ -175,9 +175,12 @@ func ExampleClaimTx() {
 	for range 2 {
 		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 			c, err := dedupactivity.ClaimTx[int64](ctx, d, tx, id, "order-1")
-			if err != nil || c.Outcome() != dedupactivity.OutcomeClaimed {
-				fmt.Println(c.Outcome(), c.Stored())
-				return err
+			if err != nil {
+				return err // c is nil
+			}
+			if c.Outcome() != dedupactivity.OutcomeClaimed {
+				fmt.Println(c.Outcome(), c.Stored()) // applied before: write nothing
+				return nil
 			}
 			var balance int64
 			if err := tx.QueryRow(ctx, `UPDATE account SET balance = balance + 3 WHERE id = 'a' RETURNING balance`).Scan(&balance); err != nil {
