@@ -22,7 +22,7 @@ import (
 const pruneBatchSize = 1000
 
 // Prune deletes expired markers (expires_at in the past) in batches of
-// pruneBatchSize, each in its own short transaction, until none are left or
+// 1000, each in its own short transaction, until none are left or
 // ctx is done. Rows locked by a concurrent pruner are skipped, so it is safe
 // to run from many workers at once. It returns how many markers it deleted.
 //
@@ -86,6 +86,8 @@ func (d *Deduper) pruneActivityName() string { return pruneActivityPrefix + d.te
 
 // PruneResult is what one pruning run did.
 type PruneResult struct {
+	// Deleted counts the markers deleted (rows and rows of dropped
+	// partitions).
 	Deleted int64
 }
 
@@ -118,8 +120,8 @@ func pruneWorkflow(ctx workflow.Context, activityName string) (PruneResult, erro
 }
 
 // EnsurePruneSchedule creates, if it does not exist yet, a Temporal Schedule
-// with the given ID that runs pruneWorkflow for d every interval on
-// taskQueue (where RegisterPruner registered it). Overlapping runs are
+// with the given ID that runs the pruning workflow (DedupPrune) for d every
+// interval on taskQueue (where RegisterPruner registered it). Overlapping runs are
 // skipped. It is idempotent and safe to call from every worker at start;
 // when the Schedule exists with another interval, task queue or pruner,
 // it is given these; its other settings stay.

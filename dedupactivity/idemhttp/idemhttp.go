@@ -387,12 +387,13 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 }
 
 // Applied says whether a request with key was applied: its handler
-// committed and answered with a stored 2xx status (see storable), which is
-// what outbox.HTTPSender takes for success. For a key whose stored answer
+// committed and answered with a stored 2xx status (a status below 500 other
+// than 408, 409, 425 and 429 is stored), which is what outbox.HTTPSender
+// takes for success. For a key whose stored answer
 // is a 3xx or 4xx, the request was refused for good (a resend gets the
 // same answer replayed): Applied returns false and a *RejectedError, which
-// matches outbox.ErrRejected. Keys are known until Prune removes their
-// markers, after their retention. The stored response is decoded to read
+// matches outbox.ErrRejected. Keys are known until Deduper().Prune removes
+// their markers, after their retention. The stored response is decoded to read
 // its status, so Applied fails (the reconciler reports the message as
 // unknown) if the data converter can no longer decode it. With Options.Caller, use AppliedFor: Applied then
 // fails with dedupactivity.ErrInvalidOptions.

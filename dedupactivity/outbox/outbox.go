@@ -362,7 +362,7 @@ FROM `+ob.table).Scan(&s.Pending, &s.Sending, &s.Sent, &s.Applied, &s.Dead, &s.R
 const pruneBatchSize = 1000
 
 // Prune deletes sent, applied and rejected messages that settled more than
-// Options.Retention ago, in batches of pruneBatchSize (each its own short
+// Options.Retention ago, in batches of 1000 (each its own short
 // transaction, skipping rows locked by others). Pending, sending and dead
 // messages are kept. It returns how many it deleted.
 func (ob *Outbox) Prune(ctx context.Context) (int64, error) { return ob.prune(ctx, nil) }
