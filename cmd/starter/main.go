@@ -2,7 +2,8 @@
 // (go run ./worker) and prints each result. Every third transfer loses its
 // debit's first completion and every fifth credit outlives its StartToClose
 // timeout, so duplicates show up in traces. Configuration: TEMPORAL_ADDRESS,
-// TEMPORAL_NAMESPACE, TASK_QUEUE, as for the worker.
+// TEMPORAL_NAMESPACE, TASK_QUEUE and DATABASE_URL (where it opens the two
+// accounts it moves money between), as for the worker.
 package main
 
 import (
