@@ -36,9 +36,20 @@ func ExampleDeduper_Migrate() {
 
 func ExampleRegister() {
 	ctx := context.Background()
-	pool, _ := pgxpool.New(ctx, "postgres://localhost:5432/app")
-	d, _ := dedupactivity.New(pool, dedupactivity.Options{})
-	c, _ := client.Dial(client.Options{})
+	pool, err := pgxpool.New(ctx, "postgres://localhost:5432/app")
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer pool.Close()
+	d, err := dedupactivity.New(pool, dedupactivity.Options{})
+	if err != nil {
+		log.Fatal(err)
+	}
+	c, err := client.Dial(client.Options{})
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer c.Close()
 	w := worker.New(c, "ledger", worker.Options{})
 
 	// The effect runs once per event, in the claim's transaction.
@@ -49,12 +60,22 @@ func ExampleRegister() {
 			in.Account, in.Amount).Scan(&p.Balance)
 		return p, err
 	})
+	if err := w.Run(worker.InterruptCh()); err != nil {
+		log.Fatal(err)
+	}
 }
 
 func ExampleWithBusinessKey() {
 	ctx := context.Background()
-	pool, _ := pgxpool.New(ctx, "postgres://localhost:5432/app")
-	d, _ := dedupactivity.New(pool, dedupactivity.Options{})
+	pool, err := pgxpool.New(ctx, "postgres://localhost:5432/app")
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer pool.Close()
+	d, err := dedupactivity.New(pool, dedupactivity.Options{})
+	if err != nil {
+		log.Fatal(err)
+	}
 
 	// Once per order ID, whichever workflow run delivers it.
 	_ = dedupactivity.Wrap(d, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
@@ -140,7 +161,9 @@ func ExampleWrap() {
 			log.Fatal(err)
 		}
 		var p Posting
-		_ = val.Get(&p)
+		if err := val.Get(&p); err != nil {
+			log.Fatal(err)
+		}
 		fmt.Println("balance", p.Balance)
 	}
 	// Output:

@@ -16,13 +16,27 @@ import (
 
 func ExampleOutbox_Enqueue() {
 	ctx := context.Background()
-	pool, _ := pgxpool.New(ctx, "postgres://localhost:5432/app")
-	d, _ := dedupactivity.New(pool, dedupactivity.Options{})
-	ob, _ := outbox.New(pool, outbox.Options{})
+	pool, err := pgxpool.New(ctx, "postgres://localhost:5432/app")
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer pool.Close()
+	d, err := dedupactivity.New(pool, dedupactivity.Options{})
+	if err != nil {
+		log.Fatal(err)
+	}
+	ob, err := outbox.New(pool, outbox.Options{})
+	if err != nil {
+		log.Fatal(err)
+	}
 	if err := ob.Migrate(ctx); err != nil { // idempotent, advisory-locked
 		log.Fatal(err)
 	}
-	c, _ := client.Dial(client.Options{})
+	c, err := client.Dial(client.Options{})
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer c.Close()
 	w := worker.New(c, "orders", worker.Options{})
 
 	// The receipt is enqueued in the effect's transaction: it commits once,
@@ -33,12 +47,21 @@ func ExampleOutbox_Enqueue() {
 		}
 		return ob.Enqueue(ctx, tx, outbox.Message{Destination: "receipts", Name: "receipt", Payload: in})
 	})
+	if err := w.Run(worker.InterruptCh()); err != nil {
+		log.Fatal(err)
+	}
 }
 
 func ExampleRelay_Run() {
 	ctx := context.Background()
-	pool, _ := pgxpool.New(ctx, "postgres://localhost:5432/app")
-	ob, _ := outbox.New(pool, outbox.Options{})
+	pool, err := pgxpool.New(ctx, "postgres://localhost:5432/app")
+	if err != nil {
+		log.Fatal(err)
+	}
+	ob, err := outbox.New(pool, outbox.Options{})
+	if err != nil {
+		log.Fatal(err)
+	}
 	sender, err := outbox.NewHTTPSender(outbox.HTTPSenderConfig{
 		Endpoints: map[string]string{"receipts": "http://127.0.0.1:8081/receipts"},
 	})
@@ -52,7 +75,12 @@ func ExampleRelay_Run() {
 	// In every worker process: relays share the work.
 	ctx, stop := context.WithCancel(ctx)
 	done := make(chan struct{})
-	go func() { defer close(done); _ = relay.Run(ctx) }()
+	go func() {
+		defer close(done)
+		if err := relay.Run(ctx); err != nil {
+			log.Print(err)
+		}
+	}()
 
 	// At shutdown, stop the relay and wait for it before the pool closes:
 	// it gives back the messages it leased and has not sent.
@@ -63,12 +91,26 @@ func ExampleRelay_Run() {
 
 func ExampleEnsureReconcileSchedule() {
 	ctx := context.Background()
-	pool, _ := pgxpool.New(ctx, "postgres://localhost:5432/app")
-	ob, _ := outbox.New(pool, outbox.Options{})
-	rc, _ := outbox.NewReconciler(ob, outbox.ReconcilerConfig{
+	pool, err := pgxpool.New(ctx, "postgres://localhost:5432/app")
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer pool.Close()
+	ob, err := outbox.New(pool, outbox.Options{})
+	if err != nil {
+		log.Fatal(err)
+	}
+	rc, err := outbox.NewReconciler(ob, outbox.ReconcilerConfig{
 		Checker: outbox.HTTPChecker{URL: outbox.StatusURL(map[string]string{"receipts": "http://127.0.0.1:8081/idempotency-keys"})},
 	})
-	c, _ := client.Dial(client.Options{})
+	if err != nil {
+		log.Fatal(err)
+	}
+	c, err := client.Dial(client.Options{})
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer c.Close()
 	w := worker.New(c, "orders", worker.Options{})
 	outbox.RegisterReconciler(w, rc)
 	if err := outbox.EnsureReconcileSchedule(ctx, c, rc, "outbox-reconcile", "orders", time.Minute); err != nil {
