@@ -64,6 +64,14 @@ func (s *Service) Migrate(ctx context.Context) error {
 	})
 }
 
+// Prune deletes the keys whose retention is over (the middleware's
+// Deduper's Options.Retention), so the key table stays the size of the
+// redelivery window. cmd/receipts runs it at start and then every
+// -prune-every; it returns how many keys it deleted.
+func (s *Service) Prune(ctx context.Context) (int64, error) {
+	return s.m.Deduper().Prune(ctx)
+}
+
 // Handler serves POST ReceiptsPath and GET StatusPath/{key}.
 func (s *Service) Handler() http.Handler {
 	mux := http.NewServeMux()

@@ -2,7 +2,9 @@ package receipts_test
 
 import (
 	"context"
+	"net/http"
 	"net/http/httptest"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -83,4 +85,43 @@ func TestCreditSendsOneReceipt(t *testing.T) {
 	applied, err := checker.Applied(ctx, outbox.Delivery{Key: key, Destination: activities.ReceiptsDestination})
 	require.NoError(t, err)
 	require.True(t, applied)
+}
+
+// TestPruneDeletesExpiredKeys stores two receipts, ages one key past its
+// retention, and counts the key table by SQL before and after Prune: the
+// expired key goes, the other stays.
+func TestPruneDeletesExpiredKeys(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	dest := pgtest.NewSchema(t)
+	svc, err := receipts.New(dest.Pool)
+	require.NoError(t, err)
+	require.NoError(t, svc.Migrate(ctx))
+	srv := httptest.NewServer(svc.Handler())
+	t.Cleanup(srv.Close)
+
+	for _, key := range []string{"k-old", "k-new"} {
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, srv.URL+receipts.ReceiptsPath,
+			strings.NewReader(`{"TransferID":"t-`+key+`","Account":"a","Amount":1}`))
+		require.NoError(t, err)
+		req.Header.Set("Idempotency-Key", key)
+		resp, err := http.DefaultClient.Do(req)
+		require.NoError(t, err)
+		require.NoError(t, resp.Body.Close())
+		require.Equal(t, http.StatusCreated, resp.StatusCode)
+	}
+	keys := func() (n int) {
+		require.NoError(t, dest.Pool.QueryRow(ctx, `SELECT count(*) FROM dedup_marker`).Scan(&n))
+		return n
+	}
+	require.Equal(t, 2, keys())
+	// The first receipt's key is past its retention.
+	_, err = dest.Pool.Exec(ctx, `UPDATE dedup_marker SET expires_at = now() - interval '1 second'
+		WHERE claimed_at = (SELECT min(claimed_at) FROM dedup_marker)`)
+	require.NoError(t, err)
+
+	n, err := svc.Prune(ctx)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), n)
+	require.Equal(t, 1, keys(), "the key within its retention stays")
 }
