@@ -1,14 +1,17 @@
 package main
 
 import (
+	"context"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"testing"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"github.com/dedupactivity/dedupactivity/internal/obstest"
+	"github.com/dedupactivity/dedupactivity/internal/pgtest"
 )
 
 // TestDemo runs the demo binary as make demo does (its own PostgreSQL and
@@ -29,6 +32,35 @@ func TestDemo(t *testing.T) {
 	require.Regexp(t, `injected: lost receipt acknowledgements\s+1\s`, string(out))
 	require.Regexp(t, `exactly one receipt at the destination \(15, [1-9]\d* of them sent again\)`, string(out))
 	require.Contains(t, string(out), "Temporal Web UI: http://127.0.0.1:")
+}
+
+// TestDemoOnYourDatabase runs the demo on a server it did not start
+// (DATABASE_URL), as a user trying it on their own PostgreSQL would, and
+// checks by SQL that it left no receipts database behind.
+func TestDemoOnYourDatabase(t *testing.T) {
+	t.Parallel()
+	c := pgtest.NewCluster(t)
+	bin := filepath.Join(t.TempDir(), "demo")
+	out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput()
+	require.NoError(t, err, "%s", out)
+	cmd := exec.Command(bin, "-workflows", "3")
+	cmd.Env = append(os.Environ(), "DATABASE_URL="+c.URL(), "TEMPORAL_ADDRESS=")
+	out, err = cmd.CombinedOutput()
+	require.NoError(t, err, "%s", out)
+	require.Contains(t, string(out), "INVARIANT HOLDS")
+
+	ctx := context.Background()
+	conn, err := pgx.Connect(ctx, c.URL())
+	require.NoError(t, err)
+	defer conn.Close(ctx)
+	rows, err := conn.Query(ctx, `SELECT datname FROM pg_database WHERE datname LIKE 'receipts\_%'`)
+	require.NoError(t, err)
+	left, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	require.Empty(t, left, "the demo's receipts database is dropped at its end")
+	var ledgerRows int
+	require.NoError(t, conn.QueryRow(ctx, `SELECT count(*) FROM ledger_entry`).Scan(&ledgerRows))
+	require.Equal(t, 6, ledgerRows, "a debit and a credit for each of 3 transfers, in your database")
 }
 
 // TestDemoTraces runs the demo as make demo-traces does (without -hold):

@@ -25,6 +25,8 @@ type receiptsService struct {
 	Pool *pgxpool.Pool // the receipts database, for the final check
 	cmd  *exec.Cmd
 	dir  string
+
+	adminURL, db string // the server the database was created on, and its name
 }
 
 // startReceipts creates the receipts database, builds cmd/receipts and runs
@@ -66,7 +68,7 @@ func startReceipts(ctx context.Context, dbURL string) (*receiptsService, error) 
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("start receipts service: %w", err)
 	}
-	s := &receiptsService{URL: "http://" + addr, cmd: cmd, dir: dir}
+	s := &receiptsService{URL: "http://" + addr, cmd: cmd, dir: dir, adminURL: dbURL, db: name}
 	deadline := time.Now().Add(30 * time.Second)
 	for {
 		resp, err := http.Get(s.URL + "/idempotency-keys/probe")
@@ -87,7 +89,8 @@ func startReceipts(ctx context.Context, dbURL string) (*receiptsService, error) 
 	return s, nil
 }
 
-// Stop ends the process and removes its binary.
+// Stop ends the process, removes its binary and drops its database (on a
+// server of your own, DATABASE_URL's, it would stay otherwise).
 func (s *receiptsService) Stop() {
 	if s.Pool != nil {
 		s.Pool.Close()
@@ -102,4 +105,14 @@ func (s *receiptsService) Stop() {
 		<-done
 	}
 	_ = os.RemoveAll(s.dir)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, s.adminURL)
+	if err == nil {
+		_, err = conn.Exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{s.db}.Sanitize()+" WITH (FORCE)")
+		_ = conn.Close(ctx)
+	}
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "demo: drop the receipts database %s: %v\n", s.db, err)
+	}
 }
