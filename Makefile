@@ -112,7 +112,7 @@ test: deps $(TEMPORAL) $(JAEGER) ## Run all tests (race detector) against real P
 	$(GO) test -race -count=1 -timeout 30m $(PKGS)
 
 .PHONY: bench
-bench: deps $(TEMPORAL) ## Benchmarks: dedupactivity vs bare / status-record / check-then-insert; writes docs/bench.md and docs/bench.png.
+bench: deps $(TEMPORAL) ## Benchmarks: dedupactivity vs bare / the seed recipe / status-record / check-then-insert; writes docs/bench.md and docs/bench.png.
 	$(GO) run ./cmd/bench $(BENCH_FLAGS)
 
 .PHONY: bench-instructions

@@ -108,7 +108,7 @@ type Options struct {
 	// Retention is the least time a marker is kept. A marker is never
 	// expired before its activity's ScheduleToClose bound (when the activity
 	// has one), whichever is later. Set it above the longest time your
-	// workflows may redeliver an activity.
+	// workflows may redeliver an activity. New refuses less than a minute.
 	//
 	// Defaults to DefaultRetention (30 days).
 	Retention time.Duration

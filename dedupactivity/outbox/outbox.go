@@ -139,8 +139,10 @@ type Message struct {
 	// Defaults to Destination.
 	Name string
 
-	// Payload is encoded as JSON (a json.RawMessage or []byte-holding
-	// json.RawMessage is sent as it is).
+	// Payload is encoded with encoding/json, except a json.RawMessage,
+	// which is sent as it is (it must be valid JSON). A plain []byte is
+	// encoded as JSON's base64 string: convert JSON bytes to
+	// json.RawMessage to send them unchanged.
 	Payload any
 
 	// Headers are sent with the message (HTTPSender: as HTTP headers). A
