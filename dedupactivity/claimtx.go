@@ -135,7 +135,7 @@ func ClaimTx[Out any](ctx context.Context, d *Deduper, tx pgx.Tx, id Identity, i
 	}
 	c.outcome = a.outcome
 	if len(a.result) > 0 {
-		if err = decodeResult(d.resultConverter(info, id), a.result, &c.stored); err != nil {
+		if err = decodeResult(d.resultConverter(ctx, info, id), a.result, &c.stored); err != nil {
 			a.outcome = OutcomeError
 			return nil, err
 		}
@@ -162,7 +162,7 @@ func (c *Claim[Out]) Complete(ctx context.Context, result Out) error {
 	if c.outcome != OutcomeClaimed || c.done {
 		return ErrNotClaimed
 	}
-	b, _, err := c.d.encodeResult(c.d.resultConverter(c.info, c.id), result)
+	b, _, err := c.d.encodeResult(c.d.resultConverter(ctx, c.info, c.id), result)
 	if err != nil {
 		return err
 	}

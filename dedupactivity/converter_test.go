@@ -171,3 +171,136 @@ func TestResultSerializationContext(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, first, read)
 }
+
+// keyIDKey is the context key of the encryption key ID that keyPropagator
+// carries from a workflow's starter to its activities.
+type keyIDKey struct{}
+
+// keyPropagator carries the "key-id" header into the activity context, as
+// the propagator of Temporal's encryption sample carries the key ID a
+// workflow's starter chose.
+type keyPropagator struct{}
+
+func (keyPropagator) Inject(ctx context.Context, w workflow.HeaderWriter) error {
+	return injectKeyID(ctx.Value(keyIDKey{}), w)
+}
+
+func (keyPropagator) InjectFromWorkflow(ctx workflow.Context, w workflow.HeaderWriter) error {
+	return injectKeyID(ctx.Value(keyIDKey{}), w)
+}
+
+func injectKeyID(v any, w workflow.HeaderWriter) error {
+	if id, ok := v.(string); ok {
+		p, err := converter.GetDefaultDataConverter().ToPayload(id)
+		if err != nil {
+			return err
+		}
+		w.Set("key-id", p)
+	}
+	return nil
+}
+
+func (keyPropagator) Extract(ctx context.Context, r workflow.HeaderReader) (context.Context, error) {
+	if p, ok := r.Get("key-id"); ok {
+		var id string
+		if err := converter.GetDefaultDataConverter().FromPayload(p, &id); err != nil {
+			return ctx, err
+		}
+		ctx = context.WithValue(ctx, keyIDKey{}, id)
+	}
+	return ctx, nil
+}
+
+func (keyPropagator) ExtractToWorkflow(ctx workflow.Context, r workflow.HeaderReader) (workflow.Context, error) {
+	if p, ok := r.Get("key-id"); ok {
+		var id string
+		if err := converter.GetDefaultDataConverter().FromPayload(p, &id); err != nil {
+			return ctx, err
+		}
+		ctx = workflow.WithValue(ctx, keyIDKey{}, id)
+	}
+	return ctx, nil
+}
+
+// keyedConverter is a context-aware DataConverter (converter.ContextAware)
+// as the one of Temporal's encryption sample is: the SDK gives it the
+// activity's context, from which it takes the key ID to encrypt with. It
+// marks every payload with that key ID ("" when it was given none, as the
+// sample's does).
+type keyedConverter struct {
+	converter.DataConverter
+	keyID string
+}
+
+func (c keyedConverter) WithContext(ctx context.Context) converter.DataConverter {
+	if id, ok := ctx.Value(keyIDKey{}).(string); ok {
+		c.keyID = id
+	}
+	return c
+}
+
+func (c keyedConverter) WithWorkflowContext(ctx workflow.Context) converter.DataConverter {
+	if id, ok := ctx.Value(keyIDKey{}).(string); ok {
+		c.keyID = id
+	}
+	return c
+}
+
+func (c keyedConverter) ToPayload(v any) (*commonpb.Payload, error) {
+	p, err := c.DataConverter.ToPayload(v)
+	if err == nil {
+		p.Metadata["encryption-key-id"] = []byte(c.keyID)
+	}
+	return p, err
+}
+
+func (c keyedConverter) ToPayloads(vs ...any) (*commonpb.Payloads, error) {
+	out := &commonpb.Payloads{}
+	for _, v := range vs {
+		p, err := c.ToPayload(v)
+		if err != nil {
+			return nil, err
+		}
+		out.Payloads = append(out.Payloads, p)
+	}
+	return out, nil
+}
+
+// TestContextAwareDataConverter: a context-aware converter (the key ID of
+// Temporal's encryption sample, chosen by the workflow's starter and carried
+// to the activity by a context propagator) is given the activity's context
+// for the stored result, as the SDK gives it for the activity's result, so
+// the result at rest is encoded as the SDK encodes it (here: with the
+// workflow's key, not with none), and a duplicate decodes it.
+func TestContextAwareDataConverter(t *testing.T) {
+	t.Parallel()
+	dc := keyedConverter{DataConverter: converter.GetDefaultDataConverter()}
+	b := setup(t, dedupactivity.Options{DataConverter: dc})
+	fn := dedupactivity.Wrap(b.d, b.post)
+	header, err := converter.GetDefaultDataConverter().ToPayload("tenant-7")
+	require.NoError(t, err)
+	run := func() (Posting, error) {
+		var s testsuite.WorkflowTestSuite
+		env := s.NewTestActivityEnvironment()
+		env.SetDataConverter(dc)
+		env.SetContextPropagators([]workflow.ContextPropagator{keyPropagator{}})
+		env.SetHeader(&commonpb.Header{Fields: map[string]*commonpb.Payload{"key-id": header}})
+		env.RegisterActivityWithOptions(fn, activity.RegisterOptions{Name: "Post"})
+		var p Posting
+		val, err := env.ExecuteActivity("Post", Transfer{Account: "a", Amount: 3})
+		if err != nil {
+			return p, err
+		}
+		return p, val.Get(&p)
+	}
+	first, err := run()
+	require.NoError(t, err)
+	second, err := run()
+	require.NoError(t, err)
+	require.Equal(t, first, second)
+	require.Equal(t, int64(1), b.ledgerRows(t))
+
+	var raw []byte
+	require.NoError(t, b.pool.QueryRow(context.Background(), `SELECT result FROM dedup_marker`).Scan(&raw))
+	require.Contains(t, string(raw), "tenant-7", "the stored payload was encoded with the key ID of the activity's context")
+}

@@ -114,5 +114,5 @@ func (d *Deduper) Result(ctx context.Context, id Identity, out any) (bool, error
 	if len(b) == 0 {
 		return true, nil // results are discarded
 	}
-	return true, decodeResult(d.converter(identityInfo(id)), b, out)
+	return true, decodeResult(d.converter(ctx, identityInfo(id)), b, out)
 }

@@ -87,7 +87,11 @@ type Options struct {
 	// converter gets the activity's serialization context, as the SDK
 	// gives it for the activity's result; outside an activity (Do,
 	// ClaimTx, Deduper.Result), the context the identity gives: its
-	// namespace, workflow ID and, for a business key, activity type.
+	// namespace, workflow ID and, for a business key, activity type. One
+	// that implements converter.ContextAware (a key ID a context
+	// propagator carries, as in Temporal's encryption sample) is then given
+	// the call's context through WithContext, as the SDK gives it the
+	// activity's.
 	//
 	// Defaults to converter.GetDefaultDataConverter().
 	DataConverter converter.DataConverter

@@ -1,6 +1,7 @@
 package dedupactivity
 
 import (
+	"context"
 	"fmt"
 	"slices"
 	"unicode/utf8"
@@ -13,9 +14,10 @@ import (
 )
 
 // converter is the Deduper's DataConverter with the activity's
-// serialization context, as the SDK applies it to activity results (outside
-// an activity, what the identity holds: see identityInfo).
-func (d *Deduper) converter(info activity.Info) converter.DataConverter {
+// serialization context (outside an activity, what the identity holds: see
+// identityInfo) and then, for a context-aware one (converter.ContextAware),
+// ctx, as the SDK applies both to activity results.
+func (d *Deduper) converter(ctx context.Context, info activity.Info) converter.DataConverter {
 	sc := converter.ActivitySerializationContext{
 		Namespace:    info.Namespace,
 		WorkflowID:   info.WorkflowExecution.ID,
@@ -26,7 +28,11 @@ func (d *Deduper) converter(info activity.Info) converter.DataConverter {
 	if info.WorkflowType != nil {
 		sc.WorkflowType = info.WorkflowType.Name
 	}
-	return converter.WithDataConverterSerializationContext(d.opts.DataConverter, sc)
+	dc := converter.WithDataConverterSerializationContext(d.opts.DataConverter, sc)
+	if ca, ok := dc.(converter.ContextAware); ok {
+		dc = ca.WithContext(ctx) // a key chosen by the workflow's starter, carried by a context propagator
+	}
+	return dc
 }
 
 // resultConverter is the data converter, with its serialization context,
@@ -34,11 +40,11 @@ func (d *Deduper) converter(info activity.Info) converter.DataConverter {
 // deliveries come from any workflow, so its result is encoded and decoded
 // in the context of the identity alone (namespace and activity type), which
 // every delivery and Result share; a run-scoped result in the activity's.
-func (d *Deduper) resultConverter(info activity.Info, id Identity) converter.DataConverter {
+func (d *Deduper) resultConverter(ctx context.Context, info activity.Info, id Identity) converter.DataConverter {
 	if id.Kind == KindBusinessKey {
-		return d.converter(identityInfo(id))
+		return d.converter(ctx, identityInfo(id))
 	}
-	return d.converter(info)
+	return d.converter(ctx, info)
 }
 
 // encodeResult encodes an effect's result for the marker: a serialized

@@ -253,7 +253,7 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 		return out, a, err
 	}
 
-	dc := w.d.resultConverter(info, id)
+	dc := w.d.resultConverter(ctx, info, id)
 	var claimedOut Out
 	var claimedPayload *commonpb.Payload
 	a, err = w.d.claim(ctx, m, mayRide(id, info), func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
