@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -11,9 +12,12 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
+	commonpb "go.temporal.io/api/common/v1"
 	"go.temporal.io/sdk/activity"
+	"go.temporal.io/sdk/converter"
 	"go.temporal.io/sdk/temporal"
 	"go.temporal.io/sdk/testsuite"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 )
@@ -499,6 +503,42 @@ func TestResultTooLarge(t *testing.T) {
 	ae := appErr(t, err)
 	require.Equal(t, dedupactivity.ErrTypeResultTooLarge, ae.Type())
 	require.True(t, ae.NonRetryable())
+	require.Zero(t, b.markers(t))
+	require.Zero(t, b.ledgerRows(t))
+}
+
+// TestResultTooLargeForTemporal: MaxResultBytes bounds the result as
+// Temporal measures it against its payload size limit: the Payloads an
+// activity completes with (the SDK's payload limit check and the server's
+// blob size limit measure that), a few bytes more than the one Payload. A
+// result within MaxResultBytes as a Payload but over it as Temporal sends
+// it is refused before anything commits: stored, its effect would commit
+// and every delivery's completion would be refused, the duplicates' too.
+func TestResultTooLargeForTemporal(t *testing.T) {
+	t.Parallel()
+	const limit = 200
+	b := setup(t, dedupactivity.Options{MaxResultBytes: limit})
+	// A string whose Payload, as the default converter makes it, is limit
+	// bytes.
+	result := ""
+	for n := 1; ; n++ {
+		p, err := converter.GetDefaultDataConverter().ToPayload(strings.Repeat("x", n))
+		require.NoError(t, err)
+		if proto.Size(p) == limit {
+			result = strings.Repeat("x", n)
+			require.Greater(t, (&commonpb.Payloads{Payloads: []*commonpb.Payload{p}}).Size(), limit, "as Temporal measures it, it is over the limit")
+			break
+		}
+		require.Less(t, proto.Size(p), limit)
+	}
+	fn := dedupactivity.Wrap(b.d, func(ctx context.Context, tx pgx.Tx, in Transfer) (string, error) {
+		if _, err := b.post(ctx, tx, in); err != nil {
+			return "", err
+		}
+		return result, nil
+	})
+	_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
+	require.ErrorIs(t, err, dedupactivity.ErrResultTooLarge)
 	require.Zero(t, b.markers(t))
 	require.Zero(t, b.ledgerRows(t))
 }

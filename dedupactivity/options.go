@@ -125,7 +125,9 @@ type Options struct {
 	// Defaults to false (results are stored).
 	DiscardResults bool
 
-	// MaxResultBytes is the largest encoded result stored. A larger result
+	// MaxResultBytes is the largest encoded result stored, measured as
+	// Temporal measures an activity's result against its payload size
+	// limit (the Payloads the activity completes with). A larger result
 	// fails the attempt (non-retryable) and rolls the effect back.
 	//
 	// Defaults to DefaultMaxResultBytes (2 MiB).

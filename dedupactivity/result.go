@@ -62,8 +62,10 @@ func (d *Deduper) encodeResult(dc converter.DataConverter, v any) ([]byte, *comm
 	if err != nil {
 		return nil, nil, fmt.Errorf("%w: marshal result payload: %w", ErrEncoding, err)
 	}
-	if len(b) > d.opts.MaxResultBytes {
-		return nil, nil, fmt.Errorf("%w: %d bytes encoded, MaxResultBytes is %d", ErrResultTooLarge, len(b), d.opts.MaxResultBytes)
+	// Measured as Temporal measures an activity's result against its payload
+	// size limit: the Payloads it completes with, this Payload in it.
+	if n := protowire.SizeTag(1) + protowire.SizeBytes(len(b)); n > d.opts.MaxResultBytes {
+		return nil, nil, fmt.Errorf("%w: %d bytes encoded (as Temporal sends it), MaxResultBytes is %d", ErrResultTooLarge, n, d.opts.MaxResultBytes)
 	}
 	return b, p, nil
 }
