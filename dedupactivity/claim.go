@@ -127,6 +127,13 @@ func (d *Deduper) claim(ctx context.Context, m *marker, ride bool, fn applyFunc)
 	a.effectTime = time.Since(effectStart)
 	if tx.state == stateNone {
 		_, _ = tx.send(ctx, nil) // the effect sent no statement
+		if err != nil && !errors.Is(tx.claimErr, errDuplicate) {
+			// The effect failed before any statement: the claim was sent
+			// only to find a duplicate (which returns the stored result).
+			// Its own failure (say, on the context the effect ran out of)
+			// is not the attempt's: the effect's error stands.
+			tx.claimErr = nil
+		}
 	}
 	if tx.claimErr != nil {
 		// Whatever the effect did went to a transaction that is rolled back.

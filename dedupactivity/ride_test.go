@@ -418,3 +418,32 @@ func TestBeforeConnectSimpleProtocolDoesNotRide(t *testing.T) {
 	require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
 	require.Equal(t, int64(4), writes.Load()-before, "the claim went first: BEGIN and claim, two statements, result and COMMIT")
 }
+
+// TestEffectErrorBeforeAnyStatementIsTheEffects: an effect whose claim may
+// ride and that returns its own error before sending any statement (its
+// context ran out in work of its own) gets that error back, unchanged, as
+// OutcomeEffectError: the claim sent after it only looks for a duplicate,
+// and its failure on the dead context is not a claim timeout.
+func TestEffectErrorBeforeAnyStatementIsTheEffects(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	errOwn := errors.New("fetching rates")
+	for _, cancelIt := range []bool{false, true} {
+		t.Run(fmt.Sprintf("Cancelled=%v", cancelIt), func(t *testing.T) {
+			dctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+			defer cancel()
+			_, outcome, err := dedupactivity.Do(dctx, b.d, runScoped(fmt.Sprint("own-", cancelIt)), Transfer{Account: "a", Amount: 1},
+				func(ctx context.Context, tx pgx.Tx, in Transfer) (int64, error) {
+					if cancelIt {
+						cancel()
+					}
+					<-ctx.Done() // work of its own, until the deadline
+					return 0, fmt.Errorf("%w: %w", errOwn, ctx.Err())
+				})
+			require.ErrorIs(t, err, errOwn)
+			require.NotErrorIs(t, err, dedupactivity.ErrClaimTimeout)
+			require.Equal(t, dedupactivity.OutcomeEffectError, outcome)
+		})
+	}
+	require.Zero(t, b.markers(t))
+}
