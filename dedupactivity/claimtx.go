@@ -119,14 +119,18 @@ func ClaimTx[Out any](ctx context.Context, d *Deduper, tx pgx.Tx, id Identity, i
 	if cerr := br.Close(); rerr == nil {
 		rerr = cerr
 	}
-	if rerr == nil && found && st.result == nil {
+	// With results discarded every marker holds an empty result, completed
+	// or not: only the connection, which remembers the claims it made and
+	// did not complete, can tell this transaction's own.
+	_, openHere := c.openClaims()[c.m.sum]
+	if rerr == nil && found && (st.result == nil || d.opts.DiscardResults && openHere) {
 		// No result yet: the marker may be this very transaction's, from an
 		// earlier ClaimTx of the same event not completed yet (the row's
 		// xmin says so, or, when that claim ran in a savepoint, whose
 		// subtransaction wrote the row, the connection remembers it).
 		var xact *string
 		if err := tx.QueryRow(ctx, currentXactSQL).Scan(&xact); err == nil && xact != nil &&
-			(sameXact(*xact, st.xmin) || tx.Conn() != nil && stateOf(tx.Conn()).claimedOpen(c.m.sum, *xact)) {
+			(st.result == nil && sameXact(*xact, st.xmin) || tx.Conn() != nil && stateOf(tx.Conn()).claimedOpen(c.m.sum, *xact)) {
 			return nil, errors.New("dedupactivity: the event is already claimed in this transaction, and not completed: Complete that claim, or claim each event once per transaction")
 		}
 	}
@@ -141,6 +145,15 @@ func ClaimTx[Out any](ctx context.Context, d *Deduper, tx pgx.Tx, id Identity, i
 		}
 	}
 	return c, nil
+}
+
+// openClaims are the claims ClaimTx made on the connection of c's tx and
+// did not complete (see connState.claimOpen); nil without a connection.
+func (c *Claim[Out]) openClaims() map[[32]byte]string {
+	if conn := c.tx.Conn(); conn != nil {
+		return stateOf(conn).open
+	}
+	return nil
 }
 
 // Outcome says what the claim found: OutcomeClaimed (apply the effect, then

@@ -208,3 +208,46 @@ func TestClaimTxConcurrentUnderSerializable(t *testing.T) {
 		}
 	}
 }
+
+// TestClaimTxTwiceWithResultsDiscarded: with DiscardResults every marker
+// holds an empty result, so a marker of this very transaction, claimed and
+// not completed, cannot be told by its result: claiming the event again
+// before Complete fails saying so all the same (it was taken for a
+// duplicate, which a caller acknowledges as applied, although the first
+// claim's savepoint may still roll back and leave the event unapplied);
+// after Complete it is a duplicate.
+func TestClaimTxTwiceWithResultsDiscarded(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{DiscardResults: true})
+	ctx := context.Background()
+	in := Transfer{Account: "a", Amount: 2}
+	for _, inSavepoint := range []bool{false, true} {
+		id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: fmt.Sprintf("twice-%v", inSavepoint)}
+		tx, err := b.pool.Begin(ctx)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = tx.Rollback(ctx) }) // also if an assertion below fails
+		first := tx
+		if inSavepoint {
+			first, err = tx.Begin(ctx)
+			require.NoError(t, err)
+		}
+		c, err := dedupactivity.ClaimTx[Posting](ctx, b.d, first, id, in)
+		require.NoError(t, err)
+		require.Equal(t, dedupactivity.OutcomeClaimed, c.Outcome())
+		_, err = dedupactivity.ClaimTx[Posting](ctx, b.d, tx, id, in)
+		require.ErrorContains(t, err, "already claimed in this transaction", "in a savepoint: %v", inSavepoint)
+		require.NoError(t, tx.Rollback(ctx))
+	}
+
+	// Completed in this transaction: a duplicate.
+	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "completed"}
+	require.NoError(t, pgx.BeginFunc(ctx, b.pool, func(tx pgx.Tx) error {
+		c, err := dedupactivity.ClaimTx[Posting](ctx, b.d, tx, id, in)
+		require.NoError(t, err)
+		require.NoError(t, c.Complete(ctx, Posting{}))
+		again, err := dedupactivity.ClaimTx[Posting](ctx, b.d, tx, id, in)
+		require.NoError(t, err)
+		require.Equal(t, dedupactivity.OutcomeDuplicate, again.Outcome())
+		return nil
+	}))
+}
