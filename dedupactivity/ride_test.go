@@ -447,3 +447,33 @@ func TestEffectErrorBeforeAnyStatementIsTheEffects(t *testing.T) {
 	}
 	require.Zero(t, b.markers(t))
 }
+
+// TestRidingDuplicateUndoesSessionSettings: what a riding duplicate's first
+// statement did outside its transaction stays (a sequence's nextval), but
+// a session-level set_config does not: PostgreSQL undoes it with the
+// rollback, so the pooled connection keeps the setting it had.
+func TestRidingDuplicateUndoesSessionSettings(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	d, pool, _ := countingDeduper(t, b, nil) // one connection: the duplicate's
+	ctx := context.Background()
+	_, err := pool.Exec(ctx, `CREATE SEQUENCE ride_seq`)
+	require.NoError(t, err)
+	fn := func(ctx context.Context, tx pgx.Tx, in Transfer) (string, error) {
+		var s string
+		err := tx.QueryRow(ctx, `SELECT set_config('application_name', $1, false) || nextval('ride_seq')`, in.Account).Scan(&s)
+		return s, err
+	}
+	_, outcome, err := dedupactivity.Do(ctx, d, runScoped("session"), Transfer{Account: "first"}, fn)
+	require.NoError(t, err)
+	require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
+	got, outcome, err := dedupactivity.Do(ctx, d, runScoped("session"), Transfer{Account: "again"}, fn)
+	require.NoError(t, err)
+	require.Equal(t, dedupactivity.OutcomeDuplicate, outcome)
+	require.Equal(t, "first1", got)
+	var name string
+	var last int64
+	require.NoError(t, pool.QueryRow(ctx, `SELECT current_setting('application_name'), last_value FROM ride_seq`).Scan(&name, &last))
+	require.Equal(t, "first", name, "the duplicate's set_config was rolled back")
+	require.Equal(t, int64(2), last, "the duplicate's nextval stays")
+}

@@ -30,8 +30,9 @@ import (
 // fails: the delivery is a duplicate, that statement ran in a transaction
 // that is rolled back, and whatever the effect returns (or a panic) is
 // ignored in favour of the stored result. What that statement did outside
-// the transaction stays: a sequence's nextval, a session-level set_config or
-// advisory lock on the pooled connection. Do not call external systems
+// the transaction stays: a sequence's nextval, a session-level advisory lock
+// on the pooled connection (a session-level set_config does not: PostgreSQL
+// undoes it with the rollback). Do not call external systems
 // (email, payments, HTTP) from it; see the package documentation.
 type EffectFunc[In, Out any] func(ctx context.Context, tx pgx.Tx, in In) (Out, error)
 
