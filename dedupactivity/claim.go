@@ -263,6 +263,14 @@ func (d *Deduper) sendClaim(ctx context.Context, tx *claimTx, q *pgx.QueuedQuery
 			}
 		}
 		if errors.Is(err, errNotRidden) {
+			if cause := notRiddenCause(err); cause != errNotRidden &&
+				(ctx.Err() != nil || errors.Is(cause, context.DeadlineExceeded) || errors.Is(cause, context.Canceled)) {
+				// q's prepare (the claim's own were ready) waited, on a
+				// lock of q's tables, until the deadline or cancellation:
+				// the effect's, as below, not the claim's. The connection
+				// may be closed: q cannot be sent after the claim.
+				return nil, false, effectError{fmt.Errorf("dedupactivity: the effect's first statement (prepared with the claim): %w", cause)}
+			}
 			return nil, false, err // nothing was sent
 		}
 		if err == nil {

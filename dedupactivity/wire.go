@@ -292,6 +292,20 @@ func (s *connState) prepare(ctx context.Context, conn *pgx.Conn, q string, stmts
 	return fmt.Errorf("dedupactivity: prepare: %w", err)
 }
 
+// notRiddenCause is the statement's own error in err, an errNotRidden from
+// prepare or addQuery, without errNotRidden, so that it no longer reads as
+// a statement that may be sent after the claim.
+func notRiddenCause(err error) error {
+	if u, ok := err.(interface{ Unwrap() []error }); ok {
+		for _, e := range u.Unwrap() {
+			if e != errNotRidden {
+				return e
+			}
+		}
+	}
+	return err
+}
+
 // evict moves the least recently used statement that this prepare call does
 // not need to drop; false when there is none.
 func (s *connState) evict() bool {

@@ -803,3 +803,34 @@ func TestEffectPanicAfterALargeObjectsRefusal(t *testing.T) {
 	})
 	require.Zero(t, b.markers(t))
 }
+
+// TestFirstStatementDeadlineWhilePrepared: the caller's deadline that comes
+// while the effect's first statement is prepared to ride with the claim
+// (its Parse waits, here on its table's lock, without a lock_timeout) is
+// the effect's, as when it comes while the statement runs
+// (TestFirstStatementDeadlineIsTheEffects): the claim's own statements
+// were prepared and waited for nothing.
+func TestFirstStatementDeadlineWhilePrepared(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	ctx := context.Background()
+	d, pool, _ := countingDeduper(t, b, nil)
+	_, err := pool.Exec(ctx, `CREATE TABLE locked (id int)`)
+	require.NoError(t, err)
+	in := Transfer{Account: "a", Amount: 1}
+	_, _, err = dedupactivity.Do(ctx, d, runScoped("warm"), in, b.post) // the claim's statements prepared
+	require.NoError(t, err)
+
+	holder := lockTable(t, b, "locked")
+	short, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer cancel()
+	_, outcome, err := dedupactivity.Do(short, d, runScoped("x"), in, func(ctx context.Context, tx pgx.Tx, in Transfer) (int, error) {
+		_, err := tx.Exec(ctx, `INSERT INTO locked (id) VALUES ($1)`, 1)
+		return 0, err
+	})
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	require.NotErrorIs(t, err, dedupactivity.ErrClaimTimeout)
+	require.Equal(t, dedupactivity.OutcomeEffectError, outcome)
+	require.NoError(t, holder.Rollback(ctx))
+	require.Equal(t, int64(1), b.markers(t))
+}
