@@ -29,9 +29,13 @@
 // count their IDs separately) and standalone activities (no workflow; their
 // activity run ID is used). Retries of one scheduled activity share the
 // identity; continue-as-new, workflow retry, cron and reset start a new run
-// whose activities are new events. WithBusinessKey uses a key of your own
-// instead (an order ID), scoped by namespace and activity type, so the
-// effect happens once per key across runs.
+// whose activities are new events. An ActivityOptions.ActivityID that a
+// workflow sets and reuses in one run (Temporal allows it once the earlier
+// activity closed) is the earlier activity's identity: the second activity
+// is taken for its duplicate and applies nothing, so give each activity its
+// own ID. WithBusinessKey uses a key of your own instead (an order ID),
+// scoped by namespace and activity type, so the effect happens once per key
+// across runs.
 //
 // Same identity, different input: the default MismatchReject fails the
 // attempt with a non-retryable ApplicationError of type
