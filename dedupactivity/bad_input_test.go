@@ -11,7 +11,9 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
+	commonpb "go.temporal.io/api/common/v1"
 	"go.temporal.io/sdk/client"
+	"go.temporal.io/sdk/converter"
 	"go.temporal.io/sdk/temporal"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
@@ -277,5 +279,47 @@ func TestPruneScheduleIntervalChecked(t *testing.T) {
 		}
 		require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions, "%+v", c)
 		require.Empty(t, rec.sc.created, "%+v", c)
+	}
+}
+
+// refusingConverter is the default converter, except that it refuses to
+// encode a Posting with an ApplicationError, as a codec whose key service
+// is down might.
+type refusingConverter struct {
+	converter.DataConverter
+	refusal error
+}
+
+func (c refusingConverter) ToPayload(v any) (*commonpb.Payload, error) {
+	if _, ok := v.(Posting); ok {
+		return nil, c.refusal
+	}
+	return c.DataConverter.ToPayload(v)
+}
+
+// TestConverterRefusalAtTheEdge: an ApplicationError the DataConverter
+// returns inside the library's ErrEncoding still reaches Temporal as
+// DedupEncoding, with the converter's own retryability. The SDK converts
+// an error by its top-level type, so ErrEncoding's wrapping would otherwise
+// make it a retryable failure of type "wrapError", whatever either said.
+func TestConverterRefusalAtTheEdge(t *testing.T) {
+	t.Parallel()
+	for name, nonRetryable := range map[string]bool{"Retryable": false, "NonRetryable": true} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			refusal := temporal.NewApplicationErrorWithOptions("key service unavailable", "KMS", temporal.ApplicationErrorOptions{NonRetryable: nonRetryable})
+			b := setup(t, dedupactivity.Options{DataConverter: refusingConverter{converter.GetDefaultDataConverter(), refusal}})
+			fn := dedupactivity.Wrap(b.d, b.post)
+			_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
+			require.ErrorIs(t, err, dedupactivity.ErrEncoding)
+			f := temporal.GetDefaultFailureConverter().ErrorToFailure(err)
+			require.NotNil(t, f.GetApplicationFailureInfo())
+			require.Equal(t, dedupactivity.ErrTypeEncoding, f.GetApplicationFailureInfo().GetType())
+			require.Equal(t, nonRetryable, f.GetApplicationFailureInfo().GetNonRetryable())
+			require.Contains(t, f.GetMessage(), refusal.Error())
+			var n int
+			require.NoError(t, b.pool.QueryRow(context.Background(), `SELECT count(*) FROM ledger`).Scan(&n))
+			require.Zero(t, n, "the effect is rolled back")
+		})
 	}
 }

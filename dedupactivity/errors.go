@@ -41,7 +41,10 @@ var (
 	ErrResultTooLarge = errors.New("dedupactivity: encoded result too large to store")
 
 	// ErrEncoding is returned when the data converter cannot encode an input
-	// or a result, or cannot decode a stored result.
+	// or a result, or cannot decode a stored result. At the activity edge it
+	// is a non-retryable ApplicationError of type ErrTypeEncoding, or a
+	// retryable one when the converter's error holds a retryable
+	// ApplicationError (a codec whose key service is down, say).
 	ErrEncoding = errors.New("dedupactivity: payload encoding failed")
 
 	// ErrNotMigrated is returned when the marker table or its function does

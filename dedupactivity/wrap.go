@@ -311,16 +311,22 @@ func toTemporal(err error) error {
 	if err == nil {
 		return nil
 	}
-	var appErr *temporal.ApplicationError
-	if errors.As(err, &appErr) {
-		return err
+	if _, ok := err.(*temporal.ApplicationError); ok {
+		return err // the SDK converts an error by its top-level type
 	}
 	c, ok := classify(err)
 	if !ok || c.typ == errTypeNotMigrated || c.typ == errTypeReadOnly {
 		return err // retryable as it is: a migration or a fail-over fixes it
 	}
+	nonRetryable := c.nonRetryable
+	var appErr *temporal.ApplicationError
+	if c.typ == ErrTypeEncoding && errors.As(err, &appErr) {
+		// The converter's (a codec's) own verdict: a key service that is
+		// down says retryable.
+		nonRetryable = appErr.NonRetryable()
+	}
 	return temporal.NewApplicationErrorWithOptions(err.Error(), c.typ, temporal.ApplicationErrorOptions{
-		NonRetryable: c.nonRetryable, Cause: &sentinel{is: c.sentinel, err: err}})
+		NonRetryable: nonRetryable, Cause: &sentinel{is: c.sentinel, err: err}})
 }
 
 // sentinel is the cause of the ApplicationError toTemporal makes: it reads
