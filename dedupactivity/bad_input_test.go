@@ -323,3 +323,36 @@ func TestConverterRefusalAtTheEdge(t *testing.T) {
 		})
 	}
 }
+
+// unreadableConverter is the default converter, except that it cannot
+// decode a Posting (a codec whose key is gone, a type changed since).
+type unreadableConverter struct{ converter.DataConverter }
+
+func (c unreadableConverter) FromPayload(p *commonpb.Payload, v any) error {
+	if _, ok := v.(*Posting); ok {
+		return errors.New("cannot decrypt: key unavailable")
+	}
+	return c.DataConverter.FromPayload(p, v)
+}
+
+// TestStoredResultUnreadableIsRetryable: a duplicate whose stored result
+// the converter cannot decode fails retryable, as the SDK fails an input
+// it cannot decode. The effect is applied: a non-retryable failure would
+// tell the workflow it was not (and a workflow that compensates would undo
+// an applied effect), where a retry returns the result once the converter
+// reads it again.
+func TestStoredResultUnreadableIsRetryable(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{DataConverter: unreadableConverter{converter.GetDefaultDataConverter()}})
+	fn := dedupactivity.Wrap(b.d, b.post, dedupactivity.WithBusinessKey(func(in Transfer) (string, error) { return "once", nil }))
+	_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
+	require.NoError(t, err, "the first delivery encodes its result, which works")
+	_, err = deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
+	require.ErrorIs(t, err, dedupactivity.ErrEncoding)
+	f := temporal.GetDefaultFailureConverter().ErrorToFailure(err)
+	require.Equal(t, dedupactivity.ErrTypeEncoding, f.GetApplicationFailureInfo().GetType())
+	require.False(t, f.GetApplicationFailureInfo().GetNonRetryable(), "the effect is applied: retry until the result reads")
+	var n int
+	require.NoError(t, b.pool.QueryRow(context.Background(), `SELECT count(*) FROM ledger`).Scan(&n))
+	require.Equal(t, 1, n, "applied once")
+}

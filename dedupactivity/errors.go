@@ -42,9 +42,11 @@ var (
 
 	// ErrEncoding is returned when the data converter cannot encode an input
 	// or a result, or cannot decode a stored result. At the activity edge it
-	// is a non-retryable ApplicationError of type ErrTypeEncoding, or a
-	// retryable one when the converter's error holds a retryable
-	// ApplicationError (a codec whose key service is down, say).
+	// is an ApplicationError of type ErrTypeEncoding: non-retryable for an
+	// input or a result (the effect is rolled back), retryable for a
+	// duplicate's stored result (the effect is applied); either way the
+	// converter's own ApplicationError, if its error holds one (a codec
+	// whose key service is down, say), decides instead.
 	ErrEncoding = errors.New("dedupactivity: payload encoding failed")
 
 	// ErrNotMigrated is returned when the marker table or its function does

@@ -285,10 +285,21 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 	}
 	if err := decodeResult(dc, a.result, &out); err != nil {
 		a.outcome = OutcomeError
-		return out, a, err
+		return out, a, storedResultError{err}
 	}
 	return out, a, nil
 }
+
+// storedResultError is a duplicate's stored result that the converter could
+// not decode. The event is applied, so at the activity edge the attempt is
+// retryable, as the SDK's for an input it cannot decode: a retry returns the
+// result once the converter reads it (a codec's key service back, a deploy
+// that reads the old type), where a non-retryable failure would tell the
+// workflow the effect did not happen.
+type storedResultError struct{ err error }
+
+func (e storedResultError) Error() string { return e.err.Error() }
+func (e storedResultError) Unwrap() error { return e.err }
 
 // mayRide says whether the claim of a delivery may ride with its effect's
 // first statement (see claimTx), which saves a round trip and a row version
@@ -319,11 +330,16 @@ func toTemporal(err error) error {
 		return err // retryable as it is: a migration or a fail-over fixes it
 	}
 	nonRetryable := c.nonRetryable
-	var appErr *temporal.ApplicationError
-	if c.typ == ErrTypeEncoding && errors.As(err, &appErr) {
-		// The converter's (a codec's) own verdict: a key service that is
-		// down says retryable.
-		nonRetryable = appErr.NonRetryable()
+	if c.typ == ErrTypeEncoding {
+		var appErr *temporal.ApplicationError
+		switch {
+		case errors.As(err, &appErr):
+			// The converter's (a codec's) own verdict: a key service that
+			// is down says retryable.
+			nonRetryable = appErr.NonRetryable()
+		case errors.As(err, new(storedResultError)):
+			nonRetryable = false // applied: see storedResultError
+		}
 	}
 	return temporal.NewApplicationErrorWithOptions(err.Error(), c.typ, temporal.ApplicationErrorOptions{
 		NonRetryable: nonRetryable, Cause: &sentinel{is: c.sentinel, err: err}})
