@@ -135,6 +135,12 @@ func (d *Deduper) claim(ctx context.Context, m *marker, ride bool, fn applyFunc)
 			tx.claimErr = nil
 		}
 	}
+	if err != nil && errors.As(tx.claimErr, new(effectError)) {
+		// The effect's first statement, sent or prepared with the claim,
+		// failed (see sendClaim) and the effect returned an error: what it
+		// returned is the attempt's, as for any other failed statement.
+		tx.claimErr = nil
+	}
 	if tx.claimErr != nil {
 		// Whatever the effect did went to a transaction that is rolled back.
 		return d.claimFailed(ctx, tx, a)

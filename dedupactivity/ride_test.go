@@ -477,3 +477,54 @@ func TestRidingDuplicateUndoesSessionSettings(t *testing.T) {
 	require.Equal(t, "first", name, "the duplicate's set_config was rolled back")
 	require.Equal(t, int64(2), last, "the duplicate's nextval stays")
 }
+
+// TestFirstStatementDeadlineKeepsTheEffectsError: when the deadline comes
+// while the effect's first statement rides with the claim (sent, or being
+// prepared), the attempt returns what the effect returned, as for any other
+// failed statement, not the statement's bare error: the effect's own
+// wrapping (here errOwn) reaches the caller.
+func TestFirstStatementDeadlineKeepsTheEffectsError(t *testing.T) {
+	t.Parallel()
+	errOwn := errors.New("debit refused")
+	for _, prepared := range []bool{false, true} {
+		t.Run(fmt.Sprintf("Prepared=%v", prepared), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, dedupactivity.Options{})
+			ctx := context.Background()
+			d, pool, _ := countingDeduper(t, b, nil) // one connection
+			_, err := pool.Exec(ctx, `CREATE TABLE locked (id int)`)
+			require.NoError(t, err)
+			in := Transfer{Account: "a", Amount: 1}
+			_, _, err = dedupactivity.Do(ctx, d, runScoped("warm"), in, b.post) // the claim's statements prepared
+			require.NoError(t, err)
+			stmt := `INSERT INTO locked (id) VALUES ($1)`
+			if !prepared {
+				// Prepared here, then held by a row lock when it runs.
+				_, _, err = dedupactivity.Do(ctx, d, runScoped("warm2"), in, func(ctx context.Context, tx pgx.Tx, in Transfer) (int, error) {
+					_, err := tx.Exec(ctx, `UPDATE account SET balance = balance + $1 WHERE id = 'a'`, 1)
+					return 0, err
+				})
+				require.NoError(t, err)
+				stmt = `UPDATE account SET balance = balance + $1 WHERE id = 'a'`
+				holder, err := b.pool.Begin(ctx)
+				require.NoError(t, err)
+				t.Cleanup(func() { _ = holder.Rollback(ctx) })
+				_, err = holder.Exec(ctx, `SELECT 1 FROM account WHERE id = 'a' FOR UPDATE`)
+				require.NoError(t, err)
+			} else {
+				lockTable(t, b, "locked")
+			}
+			short, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+			defer cancel()
+			_, outcome, err := dedupactivity.Do(short, d, runScoped("x"), in, func(ctx context.Context, tx pgx.Tx, in Transfer) (int, error) {
+				if _, err := tx.Exec(ctx, stmt, 1); err != nil {
+					return 0, fmt.Errorf("%w: %w", errOwn, err)
+				}
+				return 0, nil
+			})
+			require.ErrorIs(t, err, context.DeadlineExceeded)
+			require.ErrorIs(t, err, errOwn, "the effect's own error")
+			require.Equal(t, dedupactivity.OutcomeEffectError, outcome)
+		})
+	}
+}
