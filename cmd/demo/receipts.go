@@ -31,7 +31,7 @@ type receiptsService struct {
 
 // startReceipts creates the receipts database, builds cmd/receipts and runs
 // it on a free loopback port.
-func startReceipts(ctx context.Context, dbURL string) (*receiptsService, error) {
+func startReceipts(ctx context.Context, dbURL string) (_ *receiptsService, err error) {
 	u, err := url.Parse(dbURL)
 	if err != nil {
 		return nil, fmt.Errorf("parse database URL: %w", err)
@@ -46,13 +46,20 @@ func startReceipts(ctx context.Context, dbURL string) (*receiptsService, error) 
 	if err != nil {
 		return nil, fmt.Errorf("create receipts database: %w", err)
 	}
+	s := &receiptsService{adminURL: dbURL, db: name}
+	defer func() {
+		if err != nil && s.cmd == nil { // once the process runs, Stop cleans up
+			_ = os.RemoveAll(s.dir)
+			s.dropDatabase()
+		}
+	}()
 	u.Path = "/" + name
 	rURL := u.String()
 
-	dir, err := os.MkdirTemp("", "demo-receipts-")
-	if err != nil {
+	if s.dir, err = os.MkdirTemp("", "demo-receipts-"); err != nil {
 		return nil, err
 	}
+	dir := s.dir
 	bin := filepath.Join(dir, "receipts")
 	if out, err := exec.CommandContext(ctx, "go", "build", "-o", bin, "github.com/dedupactivity/dedupactivity/cmd/receipts").CombinedOutput(); err != nil {
 		return nil, fmt.Errorf("build cmd/receipts: %w\n%s", err, out)
@@ -68,7 +75,7 @@ func startReceipts(ctx context.Context, dbURL string) (*receiptsService, error) 
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("start receipts service: %w", err)
 	}
-	s := &receiptsService{URL: "http://" + addr, cmd: cmd, dir: dir, adminURL: dbURL, db: name}
+	s.URL, s.cmd = "http://"+addr, cmd
 	deadline := time.Now().Add(30 * time.Second)
 	for {
 		resp, err := http.Get(s.URL + "/idempotency-keys/probe")
@@ -105,6 +112,11 @@ func (s *receiptsService) Stop() {
 		<-done
 	}
 	_ = os.RemoveAll(s.dir)
+	s.dropDatabase()
+}
+
+// dropDatabase drops the receipts database, saying so if it cannot.
+func (s *receiptsService) dropDatabase() {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	conn, err := pgx.Connect(ctx, s.adminURL)
