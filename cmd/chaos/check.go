@@ -20,6 +20,14 @@ type report struct {
 	Doubles, Lost              int              // transfers applied twice; completed transfers missing an effect
 	Mismatched                 int              // ledger entries not matching the workflow's result
 	Money, WantMoney           int64
+	// LostCompletions is how many completed transfers were set to lose
+	// their debit's first completion; LostCompletionsFired how many of
+	// those the ledger shows committed at attempt 1, so that a later
+	// attempt returned the stored receipt (a first attempt that waited
+	// past its StartToClose on a row lock rolled back: its retry was a
+	// first claim, and the fault did not fire).
+	LostCompletions, LostCompletionsFired int64
+	Stalled                               int // transfers whose first credit attempt was set to outlive its StartToClose
 
 	// The outbox (the ledger's database), counted with SQL after the drain.
 	Enqueued, Sent, Settled, Resent, Dead, Rejected, Unsettled int64 // Settled: marked applied by a reconciler
@@ -66,8 +74,15 @@ func checkLedger(ctx context.Context, r *rig, d *drained, rep *report) error {
 	if err != nil {
 		return err
 	}
+	var lostIDs []string
 	for i, t := range d.runs {
 		completed := d.errs[i] == nil
+		if completed && t.req.Faults.LoseCompletion {
+			lostIDs = append(lostIDs, t.req.TransferID)
+		}
+		if t.req.Faults.StallCredit > 0 {
+			rep.Stalled++
+		}
 		if completed {
 			rep.Completed++
 			rep.Expected += 2
@@ -88,6 +103,17 @@ func checkLedger(ctx context.Context, r *rig, d *drained, rep *report) error {
 		if problem != "" {
 			rep.Violations = append(rep.Violations, problem)
 		}
+	}
+	// The redeliveries must have happened, or "nothing applied twice"
+	// proves nothing about them: counted with SQL, not by the workers'
+	// outcome counters.
+	rep.LostCompletions = int64(len(lostIDs))
+	if err := r.ledger.QueryRow(ctx, `SELECT count(*) FROM ledger_entry WHERE kind = 'debit' AND attempt = 1 AND transfer_id = ANY($1)`,
+		lostIDs).Scan(&rep.LostCompletionsFired); err != nil {
+		return err
+	}
+	if rep.LostCompletions > 0 && rep.LostCompletionsFired == 0 {
+		rep.violate("none of the %d completed transfers set to lose their debit's completion committed it at attempt 1: the fault did not fire", rep.LostCompletions)
 	}
 	if err := r.ledger.QueryRow(ctx, `SELECT count(*) FROM ledger_entry`).Scan(&rep.Effects); err != nil {
 		return err
@@ -271,7 +297,8 @@ func (r *report) print(w io.Writer) {
 	row("faults: sends held past the lease", r.Proxy.Held)
 	row("faults: overlapping sends of one key", r.Proxy.Overlapping)
 	row("faults: 502s while the destination was down", r.Proxy.Unavailable)
-	row("faults: lost completions, overlapping attempts", "every 4th / 7th transfer")
+	row("faults: lost completions (debit committed at attempt 1)", fmt.Sprintf("%d of %d", r.LostCompletionsFired, r.LostCompletions))
+	row("faults: overlapping credit attempts (injected)", r.Stalled)
 	tw.Flush()
 	fmt.Fprintf(w, "took %s\n", r.Took.Round(time.Second))
 	if !r.OK() {
