@@ -18,8 +18,10 @@ import (
 	"go.temporal.io/sdk/testsuite"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
+	"github.com/dedupactivity/dedupactivity/dedupactivity/outbox"
 	"github.com/dedupactivity/dedupactivity/internal/pgtest"
 	"github.com/dedupactivity/dedupactivity/migrations"
+	outboxmigrations "github.com/dedupactivity/dedupactivity/migrations/outbox"
 )
 
 func TestMain(m *testing.M) { pgtest.Main(m) }
@@ -205,4 +207,35 @@ func TestGolangMigratePartitionedLayout(t *testing.T) {
 	claim(t, "after-up-again")
 	require.Equal(t, int64(2), b.count(t, `SELECT count(*) FROM dedup_marker`))
 	require.Equal(t, int64(3), b.count(t, `SELECT count(*) FROM ledger`))
+}
+
+// TestGolangMigrateOutbox: golang-migrate applies the outbox's files as they
+// are, and Outbox.Migrate (which a worker runs at every start) then records
+// its versions. After golang-migrate's Down, Outbox.Migrate makes the table
+// again, as Deduper.Migrate does for the marker table: the down files drop
+// its record of versions with the table.
+func TestGolangMigrateOutbox(t *testing.T) {
+	t.Parallel()
+	b := setup(t, outboxmigrations.FS, ".")
+	ctx := context.Background()
+	ob, err := outbox.New(b.schema.Pool, outbox.Options{})
+	require.NoError(t, err)
+
+	require.NoError(t, b.m.Up())
+	b.requireVersion(t, 3)
+	require.NoError(t, ob.Migrate(ctx))
+	require.True(t, b.exists(t, "dedup_outbox"))
+
+	require.NoError(t, b.m.Down())
+	b.requireVersion(t, 0)
+	require.False(t, b.exists(t, "dedup_outbox"), "golang-migrate's Down dropped the table")
+
+	require.NoError(t, ob.Migrate(ctx))
+	require.True(t, b.exists(t, "dedup_outbox"), "Outbox.Migrate made the table again")
+	_, err = ob.Stats(ctx)
+	require.NoError(t, err)
+
+	// Up again over the table Outbox.Migrate made: nothing changes.
+	require.NoError(t, b.m.Up())
+	b.requireVersion(t, 3)
 }
