@@ -79,7 +79,7 @@ func run() error {
 		return fmt.Errorf("connect to Temporal at %s: %w", cfg.TemporalAddress, err)
 	}
 	defer c.Close()
-	w := worker.New(c, cfg.TaskQueue, ledgerworker.WorkerOptions(cfg))
+	w := worker.New(c, cfg.TaskQueue, ledgerworker.WorkerOptions(cfg, pool))
 
 	// Receipts through the outbox, when a receipts service is configured.
 	var ob *outbox.Outbox

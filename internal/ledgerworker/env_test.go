@@ -52,3 +52,29 @@ func TestStartRefusesTemporalMetricsBesideTheOTelHandler(t *testing.T) {
 	}, tel)
 	require.ErrorContains(t, err, "twice")
 }
+
+// TestWorkerOptionsFitThePool: every activity attempt holds a pooled
+// connection for its transaction (a duplicate for up to the claim wait), so
+// the worker runs no more activities at once than its pool serves beside
+// the relay and the gauges: a DATABASE_URL that sets pool_max_conns below
+// the default concurrency lowers the concurrency with it, instead of
+// leaving attempts waiting for a connection against their StartToClose.
+func TestWorkerOptionsFitThePool(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	for _, tc := range []struct {
+		url  string
+		want int
+	}{
+		{"postgres://127.0.0.1:1/db", 32},
+		{"postgres://127.0.0.1:1/db?pool_max_conns=10", 6},
+		{"postgres://127.0.0.1:1/db?pool_max_conns=100", 32},
+		{"postgres://127.0.0.1:1/db?pool_max_conns=2", 1},
+	} {
+		cfg := ledgerworker.Config{DatabaseURL: tc.url}
+		pool, err := ledgerworker.OpenPool(ctx, cfg) // connects lazily
+		require.NoError(t, err)
+		require.Equal(t, tc.want, ledgerworker.WorkerOptions(cfg, pool).MaxConcurrentActivityExecutionSize, tc.url)
+		pool.Close()
+	}
+}

@@ -67,8 +67,9 @@ type Config struct {
 	Dedup dedupactivity.Options
 	// MaxConcurrentActivities caps concurrent activity executions. Every
 	// attempt holds one pooled connection for its transaction, so the pool
-	// is sized to this plus a margin (unless DatabaseURL sets
-	// pool_max_conns). Defaults to 32.
+	// is sized to this plus a margin; when DatabaseURL sets pool_max_conns,
+	// the cap is lowered to what that pool serves beside the margin (see
+	// WorkerOptions). Defaults to 32.
 	MaxConcurrentActivities int
 	// Logger for the Temporal client; nil logs warnings and errors to stderr.
 	Logger tlog.Logger
@@ -267,7 +268,7 @@ func OpenPool(ctx context.Context, cfg Config) (*pgxpool.Pool, error) {
 		return nil, fmt.Errorf("parse DATABASE_URL: %w", err)
 	}
 	if !strings.Contains(cfg.DatabaseURL, "pool_max_conns") {
-		poolCfg.MaxConns = int32(cmp.Or(cfg.MaxConcurrentActivities, 32) + 4)
+		poolCfg.MaxConns = int32(cmp.Or(cfg.MaxConcurrentActivities, 32) + poolMargin)
 	}
 	pool, err := pgxpool.NewWithConfig(ctx, poolCfg)
 	if err != nil {
@@ -337,11 +338,19 @@ func ClientOptions(cfg Config, tel *Telemetry) (client.Options, error) {
 	}, nil
 }
 
-// WorkerOptions caps concurrent activities at what the pool can serve (each
-// attempt holds a connection for its transaction).
-func WorkerOptions(cfg Config) worker.Options {
+// poolMargin is how many of the pool's connections OpenPool keeps beside
+// the activities' own: the outbox relay and the gauges' queries.
+const poolMargin = 4
+
+// WorkerOptions caps concurrent activities at what pool can serve (each
+// attempt holds a connection for its transaction, a duplicate for up to the
+// claim wait): cfg.MaxConcurrentActivities, lowered to the pool's
+// MaxConns less poolMargin (at least 1) when DatabaseURL set a smaller
+// pool_max_conns, so that no attempt waits for a connection against its
+// StartToClose.
+func WorkerOptions(cfg Config, pool *pgxpool.Pool) worker.Options {
 	return worker.Options{
-		MaxConcurrentActivityExecutionSize: cmp.Or(cfg.MaxConcurrentActivities, 32),
+		MaxConcurrentActivityExecutionSize: max(1, min(cmp.Or(cfg.MaxConcurrentActivities, 32), int(pool.Config().MaxConns)-poolMargin)),
 		WorkerStopTimeout:                  10 * time.Second,
 	}
 }
@@ -389,7 +398,7 @@ func Start(ctx context.Context, cfg Config, tel *Telemetry) (_ *Worker, err erro
 			c.Close()
 		}
 	}()
-	w := worker.New(c, cfg.TaskQueue, WorkerOptions(cfg))
+	w := worker.New(c, cfg.TaskQueue, WorkerOptions(cfg, pool))
 	var (
 		relay *outbox.Relay
 		rc    *outbox.Reconciler
