@@ -13,7 +13,8 @@
 //	PRUNE_INTERVAL      how often the prune Schedules run: markers, and settled outbox messages (1h; set at each start)
 //	OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_SERVICE_NAME, ...: the standard
 //	OpenTelemetry variables; traces and metrics go out over OTLP/gRPC when
-//	an endpoint is set.
+//	an endpoint is set (another OTEL_EXPORTER_OTLP_PROTOCOL, or an
+//	OTEL_*_EXPORTER other than otlp or none, stops it at start).
 //
 // On SIGINT or SIGTERM it stops polling, lets in-flight activities finish,
 // and flushes telemetry before exiting.

@@ -78,3 +78,29 @@ func TestWorkerOptionsFitThePool(t *testing.T) {
 		pool.Close()
 	}
 }
+
+// TestTelemetryFromEnvRefusesWhatItDoesNotExport: the worker exports over
+// OTLP/gRPC only. A standard OTEL_ variable asking for another protocol or
+// exporter stops it at start with the variable's name, instead of sending
+// gRPC to an OTLP/HTTP port (or nothing to a console) without a word.
+func TestTelemetryFromEnvRefusesWhatItDoesNotExport(t *testing.T) {
+	t.Setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
+	for _, tc := range [][2]string{
+		{"OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"},
+		{"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json"},
+		{"OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "http/protobuf"},
+		{"OTEL_TRACES_EXPORTER", "console"},
+		{"OTEL_METRICS_EXPORTER", "prometheus"},
+	} {
+		t.Setenv(tc[0], tc[1])
+		_, err := ledgerworker.TelemetryFromEnv(context.Background(), "test")
+		require.ErrorContains(t, err, tc[0])
+		t.Setenv(tc[0], "")
+	}
+	t.Setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+	t.Setenv("OTEL_TRACES_EXPORTER", "otlp")
+	t.Setenv("OTEL_METRICS_EXPORTER", "none")
+	tel, err := ledgerworker.TelemetryFromEnv(context.Background(), "test")
+	require.NoError(t, err)
+	require.NoError(t, tel.Shutdown(context.Background()))
+}

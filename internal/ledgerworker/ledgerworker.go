@@ -162,8 +162,20 @@ type TelemetryConfig struct {
 // serves metrics for Prometheus on METRICS_ADDR (say 127.0.0.1:9464) when set;
 // otherwise it uses the global (no-op) providers. The service name is
 // OTEL_SERVICE_NAME, defaulting to serviceName. DEDUP_COUNTS_FILE (set by
-// the chaos harness) snapshots the dedup outcome counts to that file.
+// the chaos harness) snapshots the dedup outcome counts to that file. An
+// OTEL_EXPORTER_OTLP_*PROTOCOL other than grpc, or an OTEL_*_EXPORTER other
+// than otlp or none, is an error: the worker exports nothing else.
 func TelemetryFromEnv(ctx context.Context, serviceName string) (*Telemetry, error) {
+	for _, name := range []string{"OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL"} {
+		if v := os.Getenv(name); v != "" && v != "grpc" {
+			return nil, fmt.Errorf("%s=%q: the worker exports over OTLP/gRPC only (grpc)", name, v)
+		}
+	}
+	for _, name := range []string{"OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER"} {
+		if v := os.Getenv(name); v != "" && v != "otlp" && v != "none" {
+			return nil, fmt.Errorf("%s=%q: the worker exports over OTLP/gRPC (otlp) or not at all (none); for Prometheus, set METRICS_ADDR", name, v)
+		}
+	}
 	endpoint := os.Getenv("OTEL_EXPORTER_OTLP_ENDPOINT")
 	cfg := TelemetryConfig{
 		ServiceName: cmp.Or(os.Getenv("OTEL_SERVICE_NAME"), serviceName),
