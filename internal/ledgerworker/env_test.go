@@ -104,3 +104,18 @@ func TestTelemetryFromEnvRefusesWhatItDoesNotExport(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, tel.Shutdown(context.Background()))
 }
+
+// TestConfigFromEnvRefusesNonPositiveDurations: a zero or negative
+// PRUNE_INTERVAL or OUTBOX_RELAY_LEASE is an error naming the variable at
+// start, not the default (zero) or a failure after migrating, from the
+// Schedule or the relay, that names neither.
+func TestConfigFromEnvRefusesNonPositiveDurations(t *testing.T) {
+	for _, name := range []string{"PRUNE_INTERVAL", "OUTBOX_RELAY_LEASE"} {
+		for _, v := range []string{"0", "0s", "-1h"} {
+			t.Setenv(name, v)
+			_, err := ledgerworker.ConfigFromEnv()
+			require.ErrorContains(t, err, name, v)
+		}
+		t.Setenv(name, "")
+	}
+}

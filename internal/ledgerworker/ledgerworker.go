@@ -92,7 +92,7 @@ type Config struct {
 // ConfigFromEnv reads Config from the environment, with the defaults above.
 // OUTBOX_RELAY_LEASE sets Relay.Lease (the chaos harness shortens it so that
 // a held send is taken over by another relay). A duration that does not
-// parse is an error, not the default.
+// parse, or is not positive, is an error, not the default.
 func ConfigFromEnv() (Config, error) {
 	interval, err := envDuration("PRUNE_INTERVAL")
 	if err != nil {
@@ -114,7 +114,8 @@ func ConfigFromEnv() (Config, error) {
 }
 
 // envDuration is the duration in the environment variable name; 0 when it
-// is unset or empty.
+// is unset or empty. A set one must be positive: 0 would stand for the
+// default.
 func envDuration(name string) (time.Duration, error) {
 	v := os.Getenv(name)
 	if v == "" {
@@ -123,6 +124,9 @@ func envDuration(name string) (time.Duration, error) {
 	d, err := time.ParseDuration(v)
 	if err != nil {
 		return 0, fmt.Errorf("%s: %w", name, err)
+	}
+	if d <= 0 {
+		return 0, fmt.Errorf("%s: %q is not a positive duration (unset it for the default)", name, v)
 	}
 	return d, nil
 }
