@@ -239,3 +239,45 @@ func TestGolangMigrateOutbox(t *testing.T) {
 	require.NoError(t, b.m.Up())
 	b.requireVersion(t, 3)
 }
+
+// TestGolangMigrateMarkerAndOutboxInOneSchema: the marker's and the
+// outbox's files are numbered from 001 each, so golang-migrate applies both
+// sets to one schema only with a migrations table for each
+// (pgx5.Config.MigrationsTable, or x-migrations-table in a URL): sharing
+// schema_migrations, the outbox's set starts past its own 001 (version 1 is
+// the marker's) and its 002 fails on the missing table. Doc-only (passes
+// before and after): docs/pgbouncer.md says so.
+func TestGolangMigrateMarkerAndOutboxInOneSchema(t *testing.T) {
+	t.Parallel()
+	b := setup(t, migrations.FS, ".")
+	require.NoError(t, b.m.Up())
+
+	outboxMigrate := func(cfg *migratepgx.Config) *migrate.Migrate {
+		src, err := iofs.New(outboxmigrations.FS, ".")
+		require.NoError(t, err)
+		db, err := sql.Open("pgx/v5", b.schema.URL)
+		require.NoError(t, err)
+		driver, err := migratepgx.WithInstance(db, cfg)
+		require.NoError(t, err)
+		m, err := migrate.NewWithInstance("iofs", src, "pgx5", driver)
+		require.NoError(t, err)
+		t.Cleanup(func() { _, _ = m.Close() })
+		return m
+	}
+	require.Error(t, outboxMigrate(&migratepgx.Config{}).Up(), "one schema_migrations for both sets")
+	require.False(t, b.exists(t, "dedup_outbox"))
+
+	_, dirty, err := b.m.Version()
+	require.NoError(t, err)
+	require.True(t, dirty, "the failed run left schema_migrations dirty")
+	require.NoError(t, b.m.Force(1)) // the marker's
+	m := outboxMigrate(&migratepgx.Config{MigrationsTable: "dedup_outbox_schema_migrations"})
+	require.NoError(t, m.Up())
+	require.True(t, b.exists(t, "dedup_outbox"))
+	require.True(t, b.exists(t, "dedup_marker"))
+	v, dirty, err := m.Version()
+	require.NoError(t, err)
+	require.False(t, dirty)
+	require.EqualValues(t, 3, v)
+	b.requireVersion(t, 1)
+}
