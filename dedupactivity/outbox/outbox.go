@@ -396,12 +396,25 @@ var migrationFileRE = regexp.MustCompile(`^(\d{3})_([a-z0-9_]+)\.(up|down)\.sql$
 // idempotent and safe to run from many processes at once: it creates the
 // schema on its own, then runs in one transaction holding an advisory lock
 // keyed by the table, and records applied versions in <Table>_migration.
+// On an up-to-date table it only reads that record, so a role without
+// CREATE (one granted SELECT on <Table>_migration and what the relay
+// needs) can call it at every start.
 func (ob *Outbox) Migrate(ctx context.Context) error {
 	names, err := fs.Glob(outbox.FS, "*.up.sql")
 	if err != nil {
 		return fmt.Errorf("outbox: migrate: %w", err)
 	}
 	sort.Strings(names)
+	var want []int
+	for _, n := range names {
+		if m := migrationFileRE.FindStringSubmatch(n); m != nil {
+			v, _ := strconv.Atoi(m[1])
+			want = append(want, v)
+		}
+	}
+	if ob.upToDate(ctx, want) {
+		return nil
+	}
 	if err := ob.createSchema(ctx); err != nil {
 		return fmt.Errorf("outbox: migrate: create schema: %w", err)
 	}
@@ -463,6 +476,25 @@ func (ob *Outbox) Migrate(ctx context.Context) error {
 		return fmt.Errorf("outbox: migrate: commit: %w", err)
 	}
 	return nil
+}
+
+// upToDate says whether <Table>_migration records every version in want,
+// reading only: CREATE TABLE IF NOT EXISTS and CREATE SCHEMA IF NOT EXISTS
+// check the CREATE privilege before they look. Any error (no such table,
+// no SELECT on it) is a no: the full migration then runs, and says what
+// failed.
+func (ob *Outbox) upToDate(ctx context.Context, want []int) bool {
+	name := pgx.Identifier{ob.opts.Table + "_migration"}
+	if ob.opts.Schema != "" {
+		name = pgx.Identifier{ob.opts.Schema, ob.opts.Table + "_migration"}
+	}
+	var reg *string
+	if err := ob.pool.QueryRow(ctx, `SELECT to_regclass($1)::text`, name.Sanitize()).Scan(&reg); err != nil || reg == nil {
+		return false
+	}
+	var n int
+	err := ob.pool.QueryRow(ctx, `SELECT count(DISTINCT version) FROM `+name.Sanitize()+` WHERE version = ANY($1)`, want).Scan(&n)
+	return err == nil && n == len(want)
 }
 
 // createSchema creates Options.Schema (if set) unless it exists, in a

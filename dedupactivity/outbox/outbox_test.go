@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	"go.temporal.io/sdk/activity"
 	"go.temporal.io/sdk/temporal"
@@ -492,4 +493,46 @@ FROM generate_series(1, 50000) g`)
 	for _, idx := range []string{"dedup_outbox_due_idx", "dedup_outbox_lease_idx", "dedup_outbox_dead_idx"} {
 		require.Contains(t, plan.String(), idx)
 	}
+}
+
+// TestMigrateAsLeastPrivilegeRole: on an up-to-date outbox, Migrate only
+// reads its version table, so a worker's role that may not create tables
+// or schemas runs it at start, with and without Options.Schema.
+func TestMigrateAsLeastPrivilegeRole(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	s := pgx.Identifier{b.schema.Name}.Sanitize()
+	role := pgx.Identifier{"ob_" + b.schema.Name}.Sanitize()
+	_, err := b.schema.Pool.Exec(ctx, fmt.Sprintf(`
+CREATE ROLE %[2]s LOGIN PASSWORD 'pw';
+GRANT USAGE ON SCHEMA %[1]s TO %[2]s;
+GRANT SELECT ON %[1]s.dedup_outbox_migration TO %[2]s;
+GRANT SELECT, INSERT, UPDATE, DELETE ON %[1]s.dedup_outbox TO %[2]s;`, s, role))
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_, _ = b.schema.Pool.Exec(context.Background(), fmt.Sprintf(`DROP OWNED BY %[1]s; DROP ROLE %[1]s`, role))
+	})
+	cfg, err := pgxpool.ParseConfig(b.schema.URL)
+	require.NoError(t, err)
+	cfg.ConnConfig.User, cfg.ConnConfig.Password = "ob_"+b.schema.Name, "pw"
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+
+	for _, opts := range []outbox.Options{{}, {Schema: b.schema.Name}} {
+		ob, err := outbox.New(pool, opts)
+		require.NoError(t, err)
+		require.NoError(t, ob.Migrate(ctx), "an up-to-date outbox needs no CREATE (Schema %q)", opts.Schema)
+	}
+	_, err = pool.Exec(ctx, `CREATE TABLE nope (id int)`)
+	require.Error(t, err, "the role cannot create tables")
+
+	// A version missing from the record: Migrate needs the owner again.
+	_, err = b.schema.Pool.Exec(ctx, `DELETE FROM dedup_outbox_migration WHERE version = (SELECT max(version) FROM dedup_outbox_migration)`)
+	require.NoError(t, err)
+	ob, err := outbox.New(pool, outbox.Options{})
+	require.NoError(t, err)
+	require.Error(t, ob.Migrate(ctx), "the role may not migrate")
+	require.NoError(t, b.ob.Migrate(ctx), "the owner applies it again (idempotent)")
 }
