@@ -31,6 +31,7 @@ import (
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	semconv "go.opentelemetry.io/otel/semconv/v1.26.0"
 	"go.opentelemetry.io/otel/trace"
+	"go.temporal.io/api/serviceerror"
 	"go.temporal.io/sdk/client"
 	temporalotel "go.temporal.io/sdk/contrib/opentelemetry"
 	"go.temporal.io/sdk/interceptor"
@@ -405,7 +406,7 @@ func Start(ctx context.Context, cfg Config, tel *Telemetry) (_ *Worker, err erro
 	if err != nil {
 		return nil, err
 	}
-	c, err := client.Dial(copts)
+	c, err := DialTemporal(ctx, time.Minute, copts)
 	if err != nil {
 		return nil, fmt.Errorf("connect to Temporal at %s: %w", cfg.TemporalAddress, err)
 	}
@@ -543,6 +544,26 @@ func (w *Worker) Stop() {
 // and the server's own shutdown, start-up and fail-over states (SQLSTATE
 // classes 08 and 57P, and 25006 on a standby about to be promoted).
 func Retry(ctx context.Context, giveUp time.Duration, fn func(context.Context) error) error {
+	return retry(ctx, giveUp, fn, transient)
+}
+
+// DialTemporal connects to Temporal, retrying as Retry does while the
+// server does not answer (started after the worker, restarting), until
+// giveUp has passed.
+func DialTemporal(ctx context.Context, giveUp time.Duration, opts client.Options) (client.Client, error) {
+	var c client.Client
+	err := retry(ctx, giveUp, func(ctx context.Context) (err error) {
+		c, err = client.DialContext(ctx, opts)
+		return err
+	}, func(err error) bool {
+		var unavailable *serviceerror.Unavailable
+		var deadline *serviceerror.DeadlineExceeded
+		return errors.As(err, &unavailable) || errors.As(err, &deadline)
+	})
+	return c, err
+}
+
+func retry(ctx context.Context, giveUp time.Duration, fn func(context.Context) error, transient func(error) bool) error {
 	deadline := time.Now().Add(giveUp)
 	wait := 100 * time.Millisecond
 	for {

@@ -2,15 +2,18 @@ package ledgerworker_test
 
 import (
 	"context"
+	"strconv"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
+	"go.temporal.io/sdk/client"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 	"github.com/dedupactivity/dedupactivity/internal/ledgerworker"
 	"github.com/dedupactivity/dedupactivity/internal/pgtest"
+	"github.com/dedupactivity/dedupactivity/internal/temporaltest"
 )
 
 // TestMigrationRetriesWhileTheServerRestarts: a worker starting while
@@ -46,4 +49,41 @@ func TestMigrationRetriesWhileTheServerRestarts(t *testing.T) {
 	err = ledgerworker.Retry(ctx, time.Minute, d.Migrate)
 	require.ErrorIs(t, err, dedupactivity.ErrSchemaTooNew)
 	require.Less(t, time.Since(began), 5*time.Second, "not retried")
+}
+
+// TestDialRetriesUntilTemporalAnswers: a worker started before its
+// Temporal server (a compose stack coming up, a server restarting) keeps
+// dialling with backoff and connects once the server answers.
+func TestDialRetriesUntilTemporalAnswers(t *testing.T) {
+	t.Parallel()
+	port, err := pgtest.FreePort()
+	require.NoError(t, err)
+	addr := "127.0.0.1:" + strconv.Itoa(port)
+	opts := client.Options{HostPort: addr, Namespace: temporaltest.Namespace}
+	ctx := context.Background()
+	_, err = client.Dial(opts)
+	require.Error(t, err, "without a retry the start fails")
+
+	done := make(chan error, 1)
+	go func() {
+		c, err := ledgerworker.DialTemporal(ctx, 2*time.Minute, opts)
+		if err == nil {
+			c.Close()
+		}
+		done <- err
+	}()
+	time.Sleep(time.Second)
+	srv, err := temporaltest.Start(ctx, temporaltest.Options{HostPort: addr})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = srv.Stop() })
+	require.NoError(t, <-done)
+
+	// Nothing ever answers: it gives up after giveUp, with the dial's error.
+	other, err := pgtest.FreePort()
+	require.NoError(t, err)
+	began := time.Now()
+	_, err = ledgerworker.DialTemporal(ctx, 2*time.Second, client.Options{HostPort: "127.0.0.1:" + strconv.Itoa(other)})
+	require.ErrorContains(t, err, "connection refused")
+	require.Less(t, time.Since(began), 10*time.Second)
+	require.Greater(t, time.Since(began), time.Second, "retried before giving up")
 }

@@ -58,11 +58,15 @@ type Options struct {
 	UIPort   string
 	// Stderr receives the dev server's output; nil discards it.
 	Stderr io.Writer
+	// HostPort is the frontend's address, for a server that must be on a
+	// given port (TEMPORAL_ADDRESS is then not used); empty picks a free
+	// port.
+	HostPort string
 }
 
 // Start starts a dev server (or returns TEMPORAL_ADDRESS).
 func Start(ctx context.Context, opts Options) (*Server, error) {
-	if addr := os.Getenv("TEMPORAL_ADDRESS"); addr != "" {
+	if addr := os.Getenv("TEMPORAL_ADDRESS"); addr != "" && opts.HostPort == "" {
 		return &Server{Address: addr}, nil
 	}
 	path, err := CLIPath()
@@ -77,7 +81,7 @@ func Start(ctx context.Context, opts Options) (*Server, error) {
 	defer cancel()
 	dev, err := testsuite.StartDevServer(ctx, testsuite.DevServerOptions{
 		ExistingPath:  path,
-		ClientOptions: &client.Options{Namespace: Namespace, Logger: quietLogger()},
+		ClientOptions: &client.Options{HostPort: opts.HostPort, Namespace: Namespace, Logger: quietLogger()},
 		EnableUI:      opts.EnableUI,
 		UIPort:        opts.UIPort,
 		LogLevel:      "error",
