@@ -528,3 +528,46 @@ func TestFirstStatementDeadlineKeepsTheEffectsError(t *testing.T) {
 		})
 	}
 }
+
+// TestRidingRowsKeptPastTheAttempt: an effect that returns with its riding
+// statement's Rows unread and keeps them: the claim closes them as it ends,
+// and a later Close of the kept Rows, while another attempt uses the
+// connection, touches nothing of that attempt (-race) and tells a pgx
+// tracer nothing more.
+func TestRidingRowsKeptPastTheAttempt(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	spy := &batchTracer{}
+	pool := b.newPool(t, func(cfg *pgxpool.Config) { cfg.MaxConns = 1; cfg.ConnConfig.Tracer = spy })
+	d, err := dedupactivity.New(pool, dedupactivity.Options{})
+	require.NoError(t, err)
+	ctx := context.Background()
+	var kept []pgx.Rows
+	keep := func(ctx context.Context, tx pgx.Tx, in Transfer) (int, error) {
+		rows, err := tx.Query(ctx, `SELECT g FROM generate_series(1, $1::int) g`, in.Amount)
+		kept = append(kept, rows)
+		return 0, err
+	}
+	for i := range 2 {
+		_, outcome, err := dedupactivity.Do(ctx, d, runScoped(fmt.Sprint("k", i)), Transfer{Account: "a", Amount: 3}, keep)
+		require.NoError(t, err)
+		require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
+	}
+	spy.mu.Lock()
+	told := len(spy.queried)
+	spy.mu.Unlock()
+	kept[0].Close()
+	spy.mu.Lock()
+	require.Equal(t, told, len(spy.queried), "a kept Rows' Close tells the tracer nothing more")
+	spy.mu.Unlock()
+
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		kept[1].Close()
+	}()
+	_, _, err = dedupactivity.Do(ctx, d, runScoped("k-next"), Transfer{Account: "a", Amount: 1}, b.post)
+	require.NoError(t, err)
+	<-done
+	require.Equal(t, int64(1), b.ledgerRows(t))
+}

@@ -53,6 +53,7 @@ type claimTx struct {
 	ride     bool          // the claim may ride with the first statement
 	riding   *trip         // the round trip the first statement rode in, while unread
 	rows     pgx.Rows      // the last Rows of Query, which the effect may leave open
+	rideRows *rideRows     // the riding statement's Rows, which the effect may leave open
 	loErr    error         // why LargeObjects gave a zero value (see refused)
 }
 
@@ -187,6 +188,11 @@ func (t *claimTx) sendRiding(ctx context.Context, sql string, args []any) (*trip
 func (t *claimTx) closeOpen() {
 	if t.rows != nil {
 		t.rows.Close()
+	}
+	if t.rideRows != nil {
+		// Closed here, so that a Close of Rows the effect kept is a no-op
+		// and never reaches the connection another attempt may use by then.
+		t.rideRows.Close()
 	}
 	_ = t.closeRide()
 }
@@ -370,7 +376,8 @@ func (t *claimTx) ridingRows(tr *trip) (pgx.Rows, error) {
 		_ = t.closeRide()
 		return nil, err
 	}
-	return &rideRows{Rows: pgx.RowsFromResultReader(t.conn.TypeMap(), rr), tx: t, trip: tr}, nil
+	t.rideRows = &rideRows{Rows: pgx.RowsFromResultReader(t.conn.TypeMap(), rr), tx: t, trip: tr}
+	return t.rideRows, nil
 }
 
 // rideRows are the Rows of a statement that rode with the claim: once read,
