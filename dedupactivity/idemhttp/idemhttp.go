@@ -47,9 +47,11 @@
 // Limits:
 //   - The response is buffered and stored with the marker: a body above
 //     about 1.5 MiB (Dedup.MaxResultBytes, 2 MiB by default, holds it
-//     base64-encoded) fails with 500 and rolls back. Streaming (Flusher,
-//     Hijacker) is not available to a handler behind the middleware, and
-//     informational 1xx answers are dropped.
+//     base64-encoded) fails with 500 and rolls back. With the default
+//     Dedup.DataConverter, the handler's Write fails once the body is over
+//     MaxResultBytes, so a larger one is not buffered whole. Streaming
+//     (Flusher, Hijacker) is not available to a handler behind the
+//     middleware, and informational 1xx answers are dropped.
 //   - A stored 3xx or 4xx commits the handler's writes too, while Applied
 //     reports the key refused: a handler should write only when it answers
 //     2xx.
@@ -184,6 +186,12 @@ type Middleware struct {
 	pool *pgxpool.Pool
 	d    *dedupactivity.Deduper
 	opts Options
+	// maxBody is the largest response body that can be stored, past which
+	// the recorder refuses to buffer; 0 for no bound. With the default data
+	// converter, which stores the body base64-encoded, it is
+	// MaxResultBytes: a larger body cannot fit. Another converter (a
+	// compressing codec) may store more, so it has none.
+	maxBody int
 }
 
 // New returns a Middleware storing its keys through pool. opts is checked;
@@ -224,7 +232,14 @@ func New(pool *pgxpool.Pool, opts Options) (*Middleware, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Middleware{pool: pool, d: d, opts: opts}, nil
+	mw := &Middleware{pool: pool, d: d, opts: opts}
+	if opts.Dedup.DataConverter == nil {
+		mw.maxBody = opts.Dedup.MaxResultBytes
+		if mw.maxBody == 0 {
+			mw.maxBody = dedupactivity.DefaultMaxResultBytes
+		}
+	}
+	return mw, nil
 }
 
 // Deduper returns the Deduper holding the keys (for Migrate and Prune).
@@ -353,12 +368,15 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 		var first response // the handler's, with every header, when it ran here
 		resp, outcome, err := dedupactivity.Do(r.Context(), m.d, m.identity(m.caller(r), key), in,
 			func(ctx context.Context, tx pgx.Tx, _ request) (response, error) {
-				rec := &recorder{header: http.Header{}}
+				rec := &recorder{header: http.Header{}, limit: m.maxBody}
 				r2 := r.WithContext(context.WithValue(ctx, txKey{}, tx))
 				r2.Body = io.NopCloser(bytes.NewReader(body))
 				r2.ContentLength = int64(len(body))
 				next.ServeHTTP(rec, r2)
 				first = rec.response()
+				if rec.over {
+					return response{}, fmt.Errorf("%w: the response body is over %d bytes", dedupactivity.ErrResultTooLarge, rec.limit)
+				}
 				// A 2xx after a failed statement stays an error (500): the
 				// handler's writes are gone, so its success cannot be told.
 				if !storable(first.Status) || first.Status >= 300 && aborted(tx) {
@@ -496,7 +514,12 @@ type recorder struct {
 	sent   http.Header // header as of the final status, trailers left out
 	status int
 	body   bytes.Buffer
+	limit  int  // the largest body buffered; 0 for no bound
+	over   bool // a Write was refused for going over limit
 }
+
+// errBodyTooLarge is a Write's error past the body that can be stored.
+var errBodyTooLarge = errors.New("idemhttp: response body too large to store for replay")
 
 func (r *recorder) Header() http.Header { return r.header }
 
@@ -526,7 +549,8 @@ func (r *recorder) WriteHeader(status int) {
 	}
 }
 
-// Write buffers b, writing status 200 first if no status was written. As
+// Write buffers b, writing status 200 first if no status was written. It
+// refuses b with errBodyTooLarge if the body would go over limit. As
 // net/http does, it refuses a body after a status that has none (204, 304)
 // with http.ErrBodyNotAllowed; a HEAD answer's body is kept, and dropped
 // as it is sent, so the first response and a replay get the same
@@ -540,6 +564,10 @@ func (r *recorder) Write(b []byte) (int, error) {
 	}
 	if r.status == http.StatusNoContent || r.status == http.StatusNotModified {
 		return 0, http.ErrBodyNotAllowed
+	}
+	if r.limit > 0 && r.body.Len()+len(b) > r.limit {
+		r.over = true
+		return 0, errBodyTooLarge
 	}
 	return r.body.Write(b)
 }

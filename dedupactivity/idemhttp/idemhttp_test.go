@@ -847,3 +847,40 @@ func TestTrailerNameAlsoAHeader(t *testing.T) {
 		})
 	}
 }
+
+// TestLargeBodyIsCutAtTheStorableSize: a body that cannot be stored (above
+// Dedup.MaxResultBytes, which holds it base64-encoded) is refused as it is
+// written, so a handler that streams a large answer is not buffered whole
+// before its 500: its Write fails past the limit, and its insert rolls back.
+func TestLargeBodyIsCutAtTheStorableSize(t *testing.T) {
+	t.Parallel()
+	const limit = 64 << 10
+	var logged bytes.Buffer
+	s, m := newMiddleware(t, idemhttp.Options{Dedup: dedupactivity.Options{MaxResultBytes: limit},
+		Logger: slog.New(slog.NewTextHandler(&logged, nil))})
+	var written atomic.Int64
+	var writeErr atomic.Value
+	srv := httptest.NewServer(m.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		tx, _ := idemhttp.Tx(r.Context())
+		_, err := tx.Exec(r.Context(), `INSERT INTO receipt (body) VALUES ('x')`)
+		require.NoError(t, err)
+		chunk := bytes.Repeat([]byte("x"), 32<<10)
+		for written.Load() < 64<<20 { // a 64 MiB download
+			n, err := w.Write(chunk)
+			written.Add(int64(n))
+			if err != nil {
+				writeErr.Store(err)
+				return
+			}
+		}
+	})))
+	t.Cleanup(srv.Close)
+	b := &testBundle{schema: s, m: m, srv: srv}
+	r := b.post(t, "/", "k", "")
+	require.Equal(t, http.StatusInternalServerError, r.status)
+	require.JSONEq(t, `{"error":"internal error"}`, r.body)
+	require.LessOrEqual(t, written.Load(), int64(limit), "the body is not buffered past what can be stored")
+	require.NotNil(t, writeErr.Load(), "the handler's Write fails once the body cannot be stored")
+	require.Contains(t, logged.String(), "too large")
+	require.Zero(t, b.receipts(t), "rolled back")
+}
