@@ -78,6 +78,7 @@ import (
 	"slices"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -264,6 +265,11 @@ type request struct {
 	Method string
 	Path   string
 	Body   string // hex SHA-256
+	// Target is the hex SHA-256 of Path when it is not UTF-8 (net/http
+	// keeps a query's raw bytes), which Path's JSON turns into U+FFFD.
+	// Empty otherwise, so that the fingerprint, which leaves out empty
+	// members, is the one it was before Target.
+	Target string
 }
 
 // response is a handler's response, as sent and, with the headers
@@ -364,6 +370,10 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 		}
 		sum := sha256.Sum256(body)
 		in := request{Method: r.Method, Path: r.URL.RequestURI(), Body: hex.EncodeToString(sum[:])}
+		if !utf8.ValidString(in.Path) {
+			target := sha256.Sum256([]byte(in.Path))
+			in.Target = hex.EncodeToString(target[:])
+		}
 
 		var first response // the handler's, with every header, when it ran here
 		resp, outcome, err := dedupactivity.Do(r.Context(), m.d, m.identity(m.caller(r), key), in,

@@ -1,6 +1,7 @@
 package idemhttp_test
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"crypto/sha256"
@@ -9,6 +10,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strconv"
@@ -883,4 +885,29 @@ func TestLargeBodyIsCutAtTheStorableSize(t *testing.T) {
 	require.NotNil(t, writeErr.Load(), "the handler's Write fails once the body cannot be stored")
 	require.Contains(t, logged.String(), "too large")
 	require.Zero(t, b.receipts(t), "rolled back")
+}
+
+// TestRawBytesOfTheTargetAreTheRequest: a request target may carry bytes
+// that are not UTF-8 (net/http takes them raw into the query), which the
+// fingerprint's JSON would turn into U+FFFD: two targets that differ only
+// by them are two requests, so the second gets 422, not the first's answer.
+func TestRawBytesOfTheTargetAreTheRequest(t *testing.T) {
+	t.Parallel()
+	b := setup(t, idemhttp.Options{})
+	send := func(query string) string {
+		c, err := net.Dial("tcp", b.srv.Listener.Addr().String())
+		require.NoError(t, err)
+		defer c.Close()
+		_, err = io.WriteString(c, "POST /receipts?to="+query+" HTTP/1.1\r\nHost: x\r\nIdempotency-Key: k\r\n"+
+			"Content-Length: 0\r\nConnection: close\r\n\r\n")
+		require.NoError(t, err)
+		resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		return resp.Status
+	}
+	require.Equal(t, "201 Created", send("\xff"))
+	require.Equal(t, "422 Unprocessable Entity", send("\xfe"), "another target")
+	require.Equal(t, "201 Created", send("\xff"), "the same target is replayed")
+	require.Equal(t, 1, b.receipts(t))
 }
