@@ -175,8 +175,10 @@ type Options struct {
 	// Defaults to Content-Type, Content-Encoding, Location and ETag.
 	ReplayHeaders []string
 
-	// Logger records the error behind each 500 response; the client gets
-	// only {"error":"internal error"}, not the database's message.
+	// Logger records the error behind each 500 response, at ERROR (at
+	// WARN when the request's context ended first: the client went away);
+	// the client gets only {"error":"internal error"}, not the database's
+	// message.
 	//
 	// Defaults to slog.Default().
 	Logger *slog.Logger
@@ -501,8 +503,14 @@ func (m *Middleware) StatusHandler() http.Handler {
 }
 
 // internalError answers 500 and logs err, which the client does not see.
+// A request whose context ended first (the client went away, the server
+// shuts down) is a warning: nothing is wrong with the service.
 func (m *Middleware) internalError(w http.ResponseWriter, r *http.Request, err error) {
-	m.opts.Logger.ErrorContext(r.Context(), "idemhttp: answered 500", "method", r.Method, "path", r.URL.Path, "error", err)
+	if ctxErr := r.Context().Err(); ctxErr != nil {
+		m.opts.Logger.WarnContext(r.Context(), "idemhttp: the request ended before its answer", "method", r.Method, "path", r.URL.Path, "cause", ctxErr, "error", err)
+	} else {
+		m.opts.Logger.ErrorContext(r.Context(), "idemhttp: answered 500", "method", r.Method, "path", r.URL.Path, "error", err)
+	}
 	writeError(w, http.StatusInternalServerError, "internal error")
 }
 

@@ -911,3 +911,57 @@ func TestRawBytesOfTheTargetAreTheRequest(t *testing.T) {
 	require.Equal(t, "201 Created", send("\xff"), "the same target is replayed")
 	require.Equal(t, 1, b.receipts(t))
 }
+
+// lockedBuffer is a bytes.Buffer that a server goroutine writes while the
+// test reads it.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
+
+// TestClientGoneIsNotAnError: a client that goes away while its request
+// runs leaves nothing committed and is logged as a warning, not as an
+// error (nothing is wrong with the service); the same key then runs again.
+func TestClientGoneIsNotAnError(t *testing.T) {
+	t.Parallel()
+	var logged lockedBuffer
+	b := setup(t, idemhttp.Options{Logger: slog.New(slog.NewTextHandler(&logged, nil))})
+	b.gate = make(chan struct{})
+	ctx, cancel := context.WithCancel(context.Background())
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, b.srv.URL+"/receipts", strings.NewReader(`{}`))
+	require.NoError(t, err)
+	req.Header.Set("Idempotency-Key", "gone")
+	done := make(chan error, 1)
+	go func() {
+		resp, err := b.srv.Client().Do(req)
+		if err == nil {
+			resp.Body.Close()
+		}
+		done <- err
+	}()
+	<-b.entered
+	cancel()
+	require.ErrorIs(t, <-done, context.Canceled)
+	close(b.gate)
+	require.Eventually(t, func() bool { return strings.Contains(logged.String(), "idemhttp:") }, 10*time.Second, 10*time.Millisecond)
+	require.NotContains(t, logged.String(), "level=ERROR", logged.String())
+	require.Contains(t, logged.String(), "level=WARN")
+
+	var n int
+	require.NoError(t, b.schema.Pool.QueryRow(context.Background(), `SELECT count(*) FROM receipt`).Scan(&n))
+	require.Zero(t, n, "nothing committed for a client that went away")
+	b.gate = nil
+	require.Equal(t, http.StatusCreated, b.post(t, "/receipts", "gone", `{}`).status, "the key runs again")
+}
