@@ -503,8 +503,11 @@ WHERE o.id = l.id AND o.state = 'sending' AND o.attempts = l.attempts`, ids, att
 func (r *Relay) backoff(tries int) time.Duration {
 	b := r.cfg.MinBackoff
 	for i := 1; i < tries && b < r.cfg.MaxBackoff; i++ {
-		b *= 2
+		if b > r.cfg.MaxBackoff/2 {
+			b = r.cfg.MaxBackoff // doubled, it would pass the cap, or overflow past time.Duration's range
+		} else {
+			b *= 2
+		}
 	}
-	b = min(b, r.cfg.MaxBackoff)
 	return b/2 + rand.N(b/2+1)
 }

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -198,6 +199,27 @@ func TestRelayRetriesWithBackoffThenDead(t *testing.T) {
 	res, err = r.RunOnce(ctx)
 	require.NoError(t, err)
 	require.Zero(t, res, "dead messages are not sent")
+}
+
+// TestBackoffAtHighAttemptsWithAnUncappedMaximum: with MaxBackoff set
+// beyond half of time.Duration's range ("no cap"), doubling MinBackoff
+// overflowed to a negative wait after some 34 failures, and rand.N
+// panicked on it, ending the process that runs the relay (on every relay
+// that took the message after). The wait stays capped and positive.
+func TestBackoffAtHighAttemptsWithAnUncappedMaximum(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	dest := newDestination(t, func(string, int) int { return http.StatusServiceUnavailable })
+	b.placeN(t, 1)
+	ctx := context.Background()
+	_, err := b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET attempts = 34, tries = 34`)
+	require.NoError(t, err)
+	r := b.relay(t, dest, outbox.RelayConfig{MaxAttempts: 100, MinBackoff: time.Second, MaxBackoff: time.Duration(math.MaxInt64)})
+	res, err := r.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, outbox.RelayResult{Retried: 1}, res)
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'pending' AND tries = 35
+		AND next_attempt_at > now() + interval '100 years'`))
 }
 
 func TestRelayPermanentFailureIsDeadAtOnce(t *testing.T) {
