@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"math"
 	"net"
@@ -516,6 +517,41 @@ func TestHTTPSenderClassifiesFailures(t *testing.T) {
 	}
 }
 
+// TestHTTPSenderReusesConnections: a destination that answers with a body
+// longer than what the sender reads of it (the created resource, a
+// replayed answer) is sent every message on one connection: the rest of
+// the body is read before it is closed, else net/http cannot reuse the
+// connection and every send dials (and shakes hands over TLS) anew.
+func TestHTTPSenderReusesConnections(t *testing.T) {
+	t.Parallel()
+	var conns atomic.Int32
+	for _, status := range []int{http.StatusCreated, http.StatusServiceUnavailable} {
+		conns.Store(0)
+		srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			_, _ = io.Copy(io.Discard, r.Body)
+			w.WriteHeader(status)
+			_, _ = w.Write(bytes.Repeat([]byte("x"), 8<<10))
+		}))
+		srv.Config.ConnState = func(_ net.Conn, s http.ConnState) {
+			if s == http.StateNew {
+				conns.Add(1)
+			}
+		}
+		srv.Start()
+		t.Cleanup(srv.Close)
+		s, err := outbox.NewHTTPSender(outbox.HTTPSenderConfig{Endpoints: map[string]string{"d": srv.URL}})
+		require.NoError(t, err)
+		for i := range 5 {
+			err := s.Send(context.Background(), outbox.Delivery{Key: fmt.Sprintf("k%d", i), Destination: "d", Payload: []byte(`{}`)})
+			if status < 300 {
+				require.NoError(t, err)
+			} else {
+				require.Error(t, err)
+			}
+		}
+		require.Equal(t, int32(1), conns.Load(), "connections for 5 sends answered %d", status)
+	}
+}
 func TestRelayConfigValidate(t *testing.T) {
 	t.Parallel()
 	b := setup(t)

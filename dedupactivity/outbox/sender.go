@@ -190,6 +190,10 @@ func checkKey(k string) error {
 // without NUL.
 func storable(s string) bool { return utf8.ValidString(s) && !strings.ContainsRune(s, 0) }
 
+// maxDrainedBody bounds what Send reads of a response body beyond its
+// start, to reuse the connection.
+const maxDrainedBody = 64 << 10
+
 // Send POSTs d to its destination.
 func (s *HTTPSender) Send(ctx context.Context, d Delivery) error {
 	u, ok := s.cfg.Endpoints[d.Destination]
@@ -217,7 +221,13 @@ func (s *HTTPSender) Send(ctx context.Context, d Delivery) error {
 	if err != nil {
 		return fmt.Errorf("outbox: send to %s: %w", d.Destination, err)
 	}
-	defer resp.Body.Close()
+	defer func() {
+		// The rest of the body, read before it is closed, lets net/http
+		// reuse the connection; closed unread, every send would dial (and
+		// shake hands over TLS) anew. Past maxDrainedBody, closing is cheaper.
+		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, maxDrainedBody))
+		resp.Body.Close()
+	}()
 	body, err := io.ReadAll(io.LimitReader(resp.Body, 512))
 	if resp.StatusCode >= 200 && resp.StatusCode < 300 {
 		return nil // accepted; a failure to read the rest of the body does not matter
