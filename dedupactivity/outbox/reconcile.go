@@ -46,10 +46,17 @@ type HTTPChecker struct {
 	// URL returns the status URL of key at destination; "" means the
 	// destination cannot be asked (unknown). Required.
 	URL func(destination, key string) string
-	// Client sends the requests. Its CheckRedirect does not apply: a copy
-	// that follows no redirect is used. Defaults to a client with a 10s
-	// timeout.
+	// Client sends the requests. Its own Timeout, if any, applies too. Its
+	// CheckRedirect does not: a copy that follows no redirect is used.
+	// Defaults to a client with no timeout of its own (Timeout bounds each
+	// check).
 	Client *http.Client
+	// Timeout bounds each check, response included, whatever Client: a
+	// status endpoint that never answers is then reported (unknown) and
+	// asked last in later runs, instead of holding the run.
+	//
+	// Defaults to DefaultHTTPTimeout (10s).
+	Timeout time.Duration
 }
 
 // Applied asks the destination.
@@ -61,11 +68,17 @@ func (c HTTPChecker) Applied(ctx context.Context, d Delivery) (bool, error) {
 	if u == "" {
 		return false, fmt.Errorf("outbox: no status URL for destination %q", d.Destination)
 	}
-	client := http.Client{Timeout: DefaultHTTPTimeout}
+	client := http.Client{}
 	if c.Client != nil {
 		client = *c.Client
 	}
 	client.CheckRedirect = func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
+	timeout := c.Timeout
+	if timeout <= 0 {
+		timeout = DefaultHTTPTimeout
+	}
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
 	if err != nil {
 		return false, fmt.Errorf("outbox: check %s: %w", d.Key, err)

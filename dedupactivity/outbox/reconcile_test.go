@@ -408,6 +408,31 @@ func TestHTTPCheckerFollowsNoRedirect(t *testing.T) {
 	}
 }
 
+// TestHTTPCheckerBoundsEachCheck: a status endpoint that never answers
+// fails the check after DefaultHTTPTimeout also with a Client of one's own
+// (one with an authenticating Transport, as docs/outbox.md advises, and no
+// Timeout). Without a bound the check waited for the run's end (the
+// activity's 30 minutes), and the message, neither reported nor marked
+// checked, was first again in the next run: one hung destination stopped
+// the reconciliation of every message, run after run.
+func TestHTTPCheckerBoundsEachCheck(t *testing.T) {
+	t.Parallel()
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		select {
+		case <-r.Context().Done():
+		case <-time.After(outbox.DefaultHTTPTimeout + 10*time.Second):
+		}
+		w.WriteHeader(http.StatusServiceUnavailable)
+	}))
+	t.Cleanup(srv.Close)
+	c := outbox.HTTPChecker{URL: func(_, key string) string { return srv.URL + "/" + key }, Client: &http.Client{Transport: srv.Client().Transport}}
+	start := time.Now()
+	applied, err := c.Applied(context.Background(), outbox.Delivery{Key: "k", Destination: "d"})
+	require.Less(t, time.Since(start), outbox.DefaultHTTPTimeout+5*time.Second)
+	require.False(t, applied)
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	require.NotErrorIs(t, err, outbox.ErrRejected)
+}
 func TestReconcilerReportsWhatItCannotAsk(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
