@@ -87,7 +87,12 @@ func (c HTTPChecker) Applied(ctx context.Context, d Delivery) (bool, error) {
 	if err != nil {
 		return false, fmt.Errorf("outbox: check %s: %w", d.Key, err)
 	}
-	defer resp.Body.Close()
+	defer func() {
+		// Read what is left (up to maxDrainedBody), so the connection is
+		// reused, as Send does.
+		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, maxDrainedBody))
+		resp.Body.Close()
+	}()
 	switch resp.StatusCode {
 	case http.StatusOK:
 		return true, nil
@@ -204,17 +209,23 @@ func NewReconciler(ob *Outbox, cfg ReconcilerConfig) (*Reconciler, error) {
 		cfg.MeterProvider = otel.GetMeterProvider()
 	}
 	var noURL bool // an HTTPChecker that cannot ask
+	var timeout time.Duration
 	switch c := cfg.Checker.(type) {
 	case HTTPChecker:
-		noURL = c.URL == nil
+		noURL, timeout = c.URL == nil, c.Timeout
 	case *HTTPChecker:
 		noURL = c == nil || c.URL == nil
+		if c != nil {
+			timeout = c.Timeout
+		}
 	}
 	switch {
 	case cfg.Checker == nil:
 		return nil, fmt.Errorf("%w: ReconcilerConfig.Checker is nil", ErrInvalidConfig)
 	case noURL:
 		return nil, fmt.Errorf("%w: ReconcilerConfig.Checker is an HTTPChecker without a URL", ErrInvalidConfig)
+	case timeout < 0:
+		return nil, fmt.Errorf("%w: HTTPChecker.Timeout must be 0 (the default) or more, got %s", ErrInvalidConfig, timeout)
 	case cfg.UnackedAfter < time.Millisecond:
 		return nil, fmt.Errorf("%w: ReconcilerConfig.UnackedAfter must be at least 1ms, got %s", ErrInvalidConfig, cfg.UnackedAfter)
 	case cfg.MaxRequeues < -1:

@@ -552,6 +552,33 @@ func TestHTTPSenderReusesConnections(t *testing.T) {
 		require.Equal(t, int32(1), conns.Load(), "connections for 5 sends answered %d", status)
 	}
 }
+
+// TestHTTPCheckerReusesConnections: as the sender, the checker reads a
+// long answer's body to its end, so its checks share one connection.
+func TestHTTPCheckerReusesConnections(t *testing.T) {
+	t.Parallel()
+	var conns atomic.Int32
+	for _, status := range []int{http.StatusOK, http.StatusNotFound, http.StatusServiceUnavailable} {
+		conns.Store(0)
+		srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			w.WriteHeader(status)
+			_, _ = w.Write(bytes.Repeat([]byte("x"), 8<<10))
+		}))
+		srv.Config.ConnState = func(_ net.Conn, s http.ConnState) {
+			if s == http.StateNew {
+				conns.Add(1)
+			}
+		}
+		srv.Start()
+		t.Cleanup(srv.Close)
+		c := outbox.HTTPChecker{URL: outbox.StatusURL(map[string]string{"d": srv.URL}), Client: srv.Client()}
+		for i := range 5 {
+			_, _ = c.Applied(context.Background(), outbox.Delivery{Key: fmt.Sprintf("k%d", i), Destination: "d"})
+		}
+		require.Equal(t, int32(1), conns.Load(), "connections for 5 checks answered %d", status)
+	}
+}
+
 func TestRelayConfigValidate(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
