@@ -49,7 +49,8 @@
 //     about 1.5 MiB (Dedup.MaxResultBytes, 2 MiB by default, holds it
 //     base64-encoded) fails with 500 and rolls back. With the default
 //     Dedup.DataConverter, the handler's Write fails once the body is over
-//     MaxResultBytes, so a larger one is not buffered whole. Streaming
+//     MaxResultBytes, so a larger one is not buffered whole (under a status
+//     that is stored: a 5xx, 408, 409, 425 or 429 is passed on whole). Streaming
 //     (Flusher, Hijacker) is not available to a handler behind the
 //     middleware, and informational 1xx answers are dropped.
 //   - A stored 3xx or 4xx commits the handler's writes too, while Applied
@@ -568,7 +569,8 @@ func (r *recorder) WriteHeader(status int) {
 }
 
 // Write buffers b, writing status 200 first if no status was written. It
-// refuses b with errBodyTooLarge if the body would go over limit. As
+// refuses b with errBodyTooLarge if the body would go over limit under a
+// status that is stored (one that is not is passed on, never stored). As
 // net/http does, it refuses a body after a status that has none (204, 304)
 // with http.ErrBodyNotAllowed; a HEAD answer's body is kept, and dropped
 // as it is sent, so the first response and a replay get the same
@@ -583,7 +585,8 @@ func (r *recorder) Write(b []byte) (int, error) {
 	if r.status == http.StatusNoContent || r.status == http.StatusNotModified {
 		return 0, http.ErrBodyNotAllowed
 	}
-	if r.limit > 0 && r.body.Len()+len(b) > r.limit {
+	if r.limit > 0 && r.body.Len()+len(b) > r.limit && storable(r.status) {
+		// A status that is not stored is passed on as it is, body and all.
 		r.over = true
 		return 0, errBodyTooLarge
 	}

@@ -965,3 +965,23 @@ func TestClientGoneIsNotAnError(t *testing.T) {
 	b.gate = nil
 	require.Equal(t, http.StatusCreated, b.post(t, "/receipts", "gone", `{}`).status, "the key runs again")
 }
+
+// TestLargeBodyOfAnAnswerNotStoredPassesOn: a status that is not stored
+// (5xx, 408, 409, 425, 429) is passed on to the client as the handler wrote
+// it, body and all: the store's size bound is for what is stored, so it
+// does not turn the handler's 503 into the middleware's 500.
+func TestLargeBodyOfAnAnswerNotStoredPassesOn(t *testing.T) {
+	t.Parallel()
+	const limit = 64 << 10
+	s, m := newMiddleware(t, idemhttp.Options{Dedup: dedupactivity.Options{MaxResultBytes: limit}})
+	page := strings.Repeat("x", 2*limit)
+	srv := httptest.NewServer(m.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(http.StatusServiceUnavailable)
+		_, _ = io.WriteString(w, page)
+	})))
+	t.Cleanup(srv.Close)
+	b := &testBundle{schema: s, m: m, srv: srv}
+	r := b.post(t, "/", "k", "")
+	require.Equal(t, http.StatusServiceUnavailable, r.status, r.body[:min(len(r.body), 100)])
+	require.Equal(t, page, r.body)
+}
