@@ -177,7 +177,8 @@ type Options struct {
 	ReplayHeaders []string
 
 	// Logger records the error behind each 500 response, at ERROR (at
-	// WARN when the request's context ended first: the client went away);
+	// WARN when it is the request's context's, ended first: the client
+	// went away);
 	// the client gets only {"error":"internal error"}, not the database's
 	// message.
 	//
@@ -504,10 +505,11 @@ func (m *Middleware) StatusHandler() http.Handler {
 }
 
 // internalError answers 500 and logs err, which the client does not see.
-// A request whose context ended first (the client went away, the server
-// shuts down) is a warning: nothing is wrong with the service.
+// A request that failed because its context ended first (the client went
+// away, the server shuts down) is a warning: nothing is wrong with the
+// service. Any other failure is an error, whether or not the client left.
 func (m *Middleware) internalError(w http.ResponseWriter, r *http.Request, err error) {
-	if ctxErr := r.Context().Err(); ctxErr != nil {
+	if ctxErr := r.Context().Err(); ctxErr != nil && (errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)) {
 		m.opts.Logger.WarnContext(r.Context(), "idemhttp: the request ended before its answer", "method", r.Method, "path", r.URL.Path, "cause", ctxErr, "error", err)
 	} else {
 		m.opts.Logger.ErrorContext(r.Context(), "idemhttp: answered 500", "method", r.Method, "path", r.URL.Path, "error", err)

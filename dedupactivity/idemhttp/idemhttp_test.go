@@ -985,3 +985,27 @@ func TestLargeBodyOfAnAnswerNotStoredPassesOn(t *testing.T) {
 	require.Equal(t, http.StatusServiceUnavailable, r.status, r.body[:min(len(r.body), 100)])
 	require.Equal(t, page, r.body)
 }
+
+// TestServerFailureWhileTheClientLeftIsAnError: a 500 whose cause is the
+// service's (here a body too large to store), not the ended context, is
+// logged at ERROR even when the client went away meanwhile.
+func TestServerFailureWhileTheClientLeftIsAnError(t *testing.T) {
+	t.Parallel()
+	const limit = 64 << 10
+	var logged lockedBuffer
+	_, m := newMiddleware(t, idemhttp.Options{Dedup: dedupactivity.Options{MaxResultBytes: limit},
+		Logger: slog.New(slog.NewTextHandler(&logged, nil))})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	h := m.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = w.Write(bytes.Repeat([]byte("x"), 2*limit))
+		cancel() // the client gives up on the download
+	}))
+	req := httptest.NewRequestWithContext(ctx, http.MethodPost, "/", nil)
+	req.Header.Set("Idempotency-Key", "k")
+	rec := httptest.NewRecorder()
+	h.ServeHTTP(rec, req)
+	require.Equal(t, http.StatusInternalServerError, rec.Code)
+	require.Contains(t, logged.String(), "too large")
+	require.Contains(t, logged.String(), "level=ERROR", logged.String())
+}
