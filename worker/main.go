@@ -26,7 +26,6 @@ import (
 	"log"
 	"time"
 
-	"go.temporal.io/sdk/client"
 	"go.temporal.io/sdk/worker"
 	"go.temporal.io/sdk/workflow"
 
@@ -38,13 +37,12 @@ import (
 )
 
 func main() {
-	if err := run(); err != nil {
+	if err := run(context.Background()); err != nil {
 		log.Fatal(err)
 	}
 }
 
-func run() error {
-	ctx := context.Background()
+func run(ctx context.Context) error {
 	cfg, err := ledgerworker.ConfigFromEnv()
 	if err != nil {
 		return err
@@ -75,7 +73,7 @@ func run() error {
 	if err != nil {
 		return err
 	}
-	c, err := client.Dial(copts)
+	c, err := ledgerworker.DialTemporal(ctx, time.Minute, copts) // while Temporal starts, as the migrations wait for PostgreSQL
 	if err != nil {
 		return fmt.Errorf("connect to Temporal at %s: %w", cfg.TemporalAddress, err)
 	}

@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"syscall"
 	"testing"
 	"time"
@@ -89,4 +90,25 @@ func TestWorkerKilledMidEffect(t *testing.T) {
 	var total int64
 	require.NoError(t, s.Pool.QueryRow(ctx, `SELECT sum(balance) FROM account`).Scan(&total))
 	require.Equal(t, int64(200), total, "money is conserved")
+}
+
+// TestWorkerWaitsForTemporal: the example worker started before its
+// Temporal server (a compose stack coming up) keeps dialling, as
+// docs/design.md says, until its context ends, instead of exiting at once
+// with "connection refused".
+func TestWorkerWaitsForTemporal(t *testing.T) {
+	s := pgtest.NewSchema(t)
+	port, err := pgtest.FreePort()
+	require.NoError(t, err)
+	t.Setenv("TEMPORAL_ADDRESS", "127.0.0.1:"+strconv.Itoa(port)) // nothing answers there
+	t.Setenv("DATABASE_URL", s.URL)
+	for _, name := range []string{"RECEIPTS_URL", "METRICS_ADDR", "DEDUP_COUNTS_FILE", "OTEL_EXPORTER_OTLP_ENDPOINT",
+		"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "PRUNE_INTERVAL", "OUTBOX_RELAY_LEASE"} {
+		t.Setenv(name, "")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Second)
+	defer cancel()
+	err = run(ctx)
+	require.ErrorContains(t, err, "connect to Temporal")
+	require.ErrorIs(t, err, context.DeadlineExceeded, "still dialling when its context ended")
 }
