@@ -549,17 +549,22 @@ func Retry(ctx context.Context, giveUp time.Duration, fn func(context.Context) e
 
 // DialTemporal connects to Temporal, retrying as Retry does while the
 // server does not answer (started after the worker, restarting), until
-// giveUp has passed.
+// giveUp has passed. Each failed try is logged through opts.Logger, so a
+// wrong address or TLS setting, which looks the same, shows before giveUp.
 func DialTemporal(ctx context.Context, giveUp time.Duration, opts client.Options) (client.Client, error) {
-	var c client.Client
-	err := retry(ctx, giveUp, func(ctx context.Context) (err error) {
-		c, err = client.DialContext(ctx, opts)
-		return err
-	}, func(err error) bool {
+	unanswered := func(err error) bool {
 		var unavailable *serviceerror.Unavailable
 		var deadline *serviceerror.DeadlineExceeded
 		return errors.As(err, &unavailable) || errors.As(err, &deadline)
-	})
+	}
+	var c client.Client
+	err := retry(ctx, giveUp, func(ctx context.Context) (err error) {
+		c, err = client.DialContext(ctx, opts)
+		if err != nil && unanswered(err) && opts.Logger != nil {
+			opts.Logger.Warn("Temporal does not answer yet; dialling again", "address", opts.HostPort, "error", err)
+		}
+		return err
+	}, unanswered)
 	return c, err
 }
 

@@ -3,6 +3,7 @@ package ledgerworker_test
 import (
 	"context"
 	"strconv"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -78,12 +79,23 @@ func TestDialRetriesUntilTemporalAnswers(t *testing.T) {
 	t.Cleanup(func() { _ = srv.Stop() })
 	require.NoError(t, <-done)
 
-	// Nothing ever answers: it gives up after giveUp, with the dial's error.
+	// Nothing ever answers: it gives up after giveUp, with the dial's error,
+	// and says so at every try meanwhile.
 	other, err := pgtest.FreePort()
 	require.NoError(t, err)
+	warned := &warnings{}
 	began := time.Now()
-	_, err = ledgerworker.DialTemporal(ctx, 2*time.Second, client.Options{HostPort: "127.0.0.1:" + strconv.Itoa(other)})
+	_, err = ledgerworker.DialTemporal(ctx, 2*time.Second, client.Options{HostPort: "127.0.0.1:" + strconv.Itoa(other), Logger: warned})
 	require.ErrorContains(t, err, "connection refused")
 	require.Less(t, time.Since(began), 10*time.Second)
 	require.Greater(t, time.Since(began), time.Second, "retried before giving up")
+	require.Greater(t, warned.n.Load(), int32(1), "each failed try is logged")
 }
+
+// warnings is a Temporal logger that counts warnings.
+type warnings struct{ n atomic.Int32 }
+
+func (w *warnings) Debug(string, ...any) {}
+func (w *warnings) Info(string, ...any)  {}
+func (w *warnings) Warn(string, ...any)  { w.n.Add(1) }
+func (w *warnings) Error(string, ...any) {}
