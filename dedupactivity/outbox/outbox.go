@@ -447,9 +447,15 @@ func (ob *Outbox) Migrate(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("outbox: migrate: read versions: %w", err)
 	}
+	var tableThere bool
+	if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, pgx.Identifier{ob.opts.Table}.Sanitize()).Scan(&tableThere); err != nil {
+		return fmt.Errorf("outbox: migrate: look for the table: %w", err)
+	}
 	applied := map[int]bool{}
 	for _, v := range done {
-		applied[v] = true
+		// A table dropped by hand, its record left: the files, idempotent,
+		// make it again.
+		applied[v] = tableThere
 	}
 	for _, n := range names {
 		m := migrationFileRE.FindStringSubmatch(n)
@@ -468,7 +474,7 @@ func (ob *Outbox) Migrate(ctx context.Context) error {
 		if _, err := tx.Exec(ctx, sql); err != nil {
 			return fmt.Errorf("outbox: migrate: apply %s: %w", n, err)
 		}
-		if _, err := tx.Exec(ctx, `INSERT INTO `+versions+` (version, name) VALUES ($1, $2)`, v, m[2]); err != nil {
+		if _, err := tx.Exec(ctx, `INSERT INTO `+versions+` (version, name) VALUES ($1, $2) ON CONFLICT (version) DO NOTHING`, v, m[2]); err != nil {
 			return fmt.Errorf("outbox: migrate: record %s: %w", n, err)
 		}
 	}
@@ -484,12 +490,13 @@ func (ob *Outbox) Migrate(ctx context.Context) error {
 // no SELECT on it) is a no: the full migration then runs, and says what
 // failed.
 func (ob *Outbox) upToDate(ctx context.Context, want []int) bool {
-	name := pgx.Identifier{ob.opts.Table + "_migration"}
+	name, table := pgx.Identifier{ob.opts.Table + "_migration"}, pgx.Identifier{ob.opts.Table}
 	if ob.opts.Schema != "" {
-		name = pgx.Identifier{ob.opts.Schema, ob.opts.Table + "_migration"}
+		name, table = pgx.Identifier{ob.opts.Schema, ob.opts.Table + "_migration"}, pgx.Identifier{ob.opts.Schema, ob.opts.Table}
 	}
-	var reg *string
-	if err := ob.pool.QueryRow(ctx, `SELECT to_regclass($1)::text`, name.Sanitize()).Scan(&reg); err != nil || reg == nil {
+	// Both tables: one dropped by hand, its record left, is made again.
+	var there bool
+	if err := ob.pool.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL`, name.Sanitize(), table.Sanitize()).Scan(&there); err != nil || !there {
 		return false
 	}
 	var n int

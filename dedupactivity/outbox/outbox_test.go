@@ -536,3 +536,18 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON %[1]s.dedup_outbox TO %[2]s;`, s, role))
 	require.Error(t, ob.Migrate(ctx), "the role may not migrate")
 	require.NoError(t, b.ob.Migrate(ctx), "the owner applies it again (idempotent)")
 }
+
+// TestMigrateMakesADroppedTableAgain: an outbox table dropped by hand,
+// its version record left behind, is made again by Migrate, not taken for
+// migrated (every Enqueue would fail).
+func TestMigrateMakesADroppedTableAgain(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	_, err := b.schema.Pool.Exec(ctx, `DROP TABLE dedup_outbox`)
+	require.NoError(t, err)
+	require.NoError(t, b.ob.Migrate(ctx))
+	_, _, err = b.place(t, "o1", []string{"receipt"}, nil)
+	require.NoError(t, err)
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox`))
+}
