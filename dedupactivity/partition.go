@@ -107,26 +107,33 @@ type partition struct {
 	lo, hi time.Time // its range: [lo, hi)
 }
 
-// partitions lists the range partitions (not the default one).
+// partitions lists the range partitions (not the default one), in a
+// transaction whose DateStyle is ISO (see listPartitionsSQL).
 func (d *Deduper) partitions(ctx context.Context) ([]partition, error) {
-	rows, err := d.pool.Query(ctx, listPartitionsSQL, d.store.table)
-	if err != nil {
-		return nil, fmt.Errorf("dedupactivity: list partitions: %w", interpretError(err, false))
-	}
-	defer rows.Close()
 	var out []partition
-	for rows.Next() {
-		var name string
-		var lo, hi *float64
-		if err := rows.Scan(&name, &lo, &hi); err != nil {
-			return nil, err
+	err := pgx.BeginFunc(ctx, d.pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, setLocalISODateStyleSQL); err != nil {
+			return err
 		}
-		if lo == nil || hi == nil {
-			continue // the default partition
+		rows, err := tx.Query(ctx, listPartitionsSQL, d.store.table)
+		if err != nil {
+			return err
 		}
-		out = append(out, partition{name: name, lo: time.Unix(int64(*lo), 0), hi: time.Unix(int64(*hi), 0)})
-	}
-	if err := rows.Err(); err != nil {
+		defer rows.Close()
+		for rows.Next() {
+			var name string
+			var lo, hi *float64
+			if err := rows.Scan(&name, &lo, &hi); err != nil {
+				return err
+			}
+			if lo == nil || hi == nil {
+				continue // the default partition
+			}
+			out = append(out, partition{name: name, lo: time.Unix(int64(*lo), 0), hi: time.Unix(int64(*hi), 0)})
+		}
+		return rows.Err()
+	})
+	if err != nil {
 		return nil, fmt.Errorf("dedupactivity: list partitions: %w", interpretError(err, false))
 	}
 	return out, nil

@@ -602,3 +602,36 @@ func oldestPartitionStart(t *testing.T, b *testBundle, table string) time.Time {
 	return time.Unix(b.count(t, `SELECT min(substring(c.relname FROM '_p(\d+)$')::bigint) FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
 		WHERE i.inhparent = $1::regclass`, table), 0)
 }
+
+// TestPartitionBoundsReadInAnyDateStyle: the partitions' bounds are read
+// back the same whatever the session's DateStyle and TimeZone. Outside the
+// ISO DateStyle a bound prints with the zone's abbreviation, which
+// PostgreSQL reads by its own list: Jakarta's WIB is not in it (every
+// Migrate and Prune failed), and Dublin's summer IST is Israel's (+02 for
+// +01), so a partition whose range crosses Dublin's change of clocks
+// spanned 25h and was refused as made with another PartitionInterval.
+func TestPartitionBoundsReadInAnyDateStyle(t *testing.T) {
+	t.Parallel()
+	iv := 24 * time.Hour
+	opts := dedupactivity.Options{PartitionInterval: iv, PartitionsAhead: 1}
+	b := setup(t, opts)
+	ctx := context.Background()
+	lo := time.Date(2026, 10, 25, 0, 0, 0, 0, time.UTC) // Dublin goes from IST to GMT at 01:00 UTC
+	for _, tz := range []string{"Europe/Dublin", "Asia/Jakarta", "Asia/Kolkata", "Asia/Manila"} {
+		for _, style := range []string{"SQL, DMY", "Postgres, MDY", "German"} {
+			_, err := b.pool.Exec(ctx, `CREATE TABLE `+partitionName(lo)+` PARTITION OF dedup_marker FOR VALUES FROM ('`+lo.Format(time.RFC3339)+`') TO ('`+lo.Add(iv).Format(time.RFC3339)+`')`)
+			require.NoError(t, err)
+			pool := b.newPool(t, func(cfg *pgxpool.Config) {
+				cfg.ConnConfig.RuntimeParams["DateStyle"] = style
+				cfg.ConnConfig.RuntimeParams["TimeZone"] = tz
+			})
+			d, err := dedupactivity.New(pool, opts)
+			require.NoError(t, err)
+			require.NoError(t, d.Migrate(ctx), "%s, %s", tz, style)
+			_, err = d.Prune(ctx)
+			require.NoError(t, err, "%s, %s", tz, style)
+			require.Zero(t, b.count(t, `SELECT count(*) FROM pg_class WHERE relname = $1 AND relnamespace = current_schema()::regnamespace`, partitionName(lo)),
+				"%s, %s: the past partition, empty, is dropped", tz, style)
+		}
+	}
+}

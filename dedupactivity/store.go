@@ -243,17 +243,22 @@ func recordVersionSQL(table string) string {
 const (
 	// listPartitionsSQL lists the partitions of $1 with their bounds in
 	// Unix seconds (NULL for the default partition), read back from the
-	// bound's text in the session's own DateStyle and TimeZone. The bound
-	// is deparsed without its relation (0): it holds constants only, and
-	// given the relation pg_get_expr would wait for its lock, so the list
-	// would wait for a pruner's drop, or a long reader, of any partition.
+	// bound's text in the session's own TimeZone, under the ISO DateStyle
+	// (setLocalISODateStyleSQL), which prints the offset: the others print
+	// the zone's abbreviation, which PostgreSQL reads by its own list, as
+	// another zone's (Dublin's summer IST as Israel's) or not at all
+	// (Jakarta's WIB). The bound is deparsed without its relation (0): it
+	// holds constants only, and given the relation pg_get_expr would wait
+	// for its lock, so the list would wait for a pruner's drop, or a long
+	// reader, of any partition.
 	listPartitionsSQL = `SELECT c.relname,
 	extract(epoch FROM substring(b.expr FROM $$FROM \('([^']+)'\)$$)::timestamptz)::float8,
 	extract(epoch FROM substring(b.expr FROM $$TO \('([^']+)'\)$$)::timestamptz)::float8
 FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid,
 	LATERAL (SELECT pg_get_expr(c.relpartbound, 0) AS expr) b
 WHERE i.inhparent = $1::regclass`
-	setLocalLockTimeoutSQL = `SELECT set_config('lock_timeout', $1, true)`
+	setLocalLockTimeoutSQL  = `SELECT set_config('lock_timeout', $1, true)`
+	setLocalISODateStyleSQL = `SELECT set_config('DateStyle', 'ISO', true)`
 )
 
 // createPartition makes the range partition name for [lo, hi).
