@@ -31,3 +31,6 @@ var MayRide = mayRide
 func PruneWithProgress(ctx context.Context, d *Deduper, progress func(deleted int64)) (int64, error) {
 	return d.prune(ctx, progress)
 }
+
+// MigrateLockKey is the advisory lock Migrate applies the migrations under.
+const MigrateLockKey = migrateLockKey

@@ -2,6 +2,7 @@ package dedupactivity
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io/fs"
 	"path"
@@ -105,8 +106,7 @@ func (d *Deduper) Migrate(ctx context.Context) error {
 		partitioned, foreign = nil, false
 	}
 	if partitioned != nil && *partitioned != (d.opts.PartitionInterval > 0) {
-		layout := map[bool]string{true: "the partitioned layout (PartitionInterval set)", false: "the default layout (PartitionInterval 0)"}
-		return fmt.Errorf("%w: %s is a table of %s, and these Options are for %s: give Options the table's layout, or another Table", ErrInvalidOptions, d.store.table, layout[*partitioned], layout[!*partitioned])
+		return d.layoutError(*partitioned)
 	}
 	var recorded *int
 	if hasVersions { // and readable: a role without SELECT on it skips this check
@@ -138,6 +138,13 @@ func (d *Deduper) Migrate(ctx context.Context) error {
 		}
 	}
 	return nil
+}
+
+// layoutError is Migrate's refusal of a table whose layout (partitioned or
+// not) is not the one of these Options.
+func (d *Deduper) layoutError(partitioned bool) error {
+	layout := map[bool]string{true: "the partitioned layout (PartitionInterval set)", false: "the default layout (PartitionInterval 0)"}
+	return fmt.Errorf("%w: %s is a table of %s, and these Options are for %s: give Options the table's layout, or another Table", ErrInvalidOptions, d.store.table, layout[partitioned], layout[!partitioned])
 }
 
 // functions are the marker table's functions, as regprocedure text.
@@ -179,6 +186,18 @@ func (d *Deduper) applyMigrations(ctx context.Context, migs []migration, version
 			if _, err := tx.Exec(ctx, setLocalSearchPathSQL, schema); err != nil {
 				return fmt.Errorf("dedupactivity: migrate: search_path: %w", err)
 			}
+		}
+		// The layout again, under the lock: the other layout's table may
+		// have been made since the catalog was read (another worker's
+		// Migrate with the other Options, or a migration tool), and the
+		// default layout's files run on a partitioned table without an
+		// error (adding an expiry index to every partition).
+		var partitioned *bool
+		if err := tx.QueryRow(ctx, layoutSQL, d.opts.Table).Scan(&partitioned); err != nil && !errors.Is(err, pgx.ErrNoRows) {
+			return fmt.Errorf("dedupactivity: migrate: read catalog: %w", err)
+		}
+		if partitioned != nil && *partitioned != (d.opts.PartitionInterval > 0) {
+			return d.layoutError(*partitioned)
 		}
 		if _, err := tx.Exec(ctx, createVersionTableSQL(versionTable)); err != nil {
 			return fmt.Errorf("dedupactivity: migrate: version table: %w", err)

@@ -17,6 +17,7 @@ import (
 	"go.temporal.io/sdk/testsuite"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
+	"github.com/dedupactivity/dedupactivity/internal/pgtest"
 )
 
 func TestPartitionedLayout(t *testing.T) {
@@ -633,5 +634,58 @@ func TestPartitionBoundsReadInAnyDateStyle(t *testing.T) {
 			require.Zero(t, b.count(t, `SELECT count(*) FROM pg_class WHERE relname = $1 AND relnamespace = current_schema()::regnamespace`, partitionName(lo)),
 				"%s, %s: the past partition, empty, is dropped", tz, style)
 		}
+	}
+}
+
+// TestMigrateRefusesTheOtherLayoutMadeMeanwhile: a Migrate that found no
+// table, then waited for the migrations' lock while the other layout's
+// table was made (another worker's Migrate, with the other Options, or a
+// migration tool), refuses it as it refuses that table found at once. The
+// default layout's files ran on the partitioned table: Migrate succeeded,
+// with an expiry index on every partition, and every claim failed; the
+// partitioned layout's failed on the plain table with "is not partitioned".
+func TestMigrateRefusesTheOtherLayoutMadeMeanwhile(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	partitioned := dedupactivity.Options{PartitionInterval: time.Hour, Retention: time.Hour}
+	for name, c := range map[string]struct {
+		made bool // the files of the partitioned layout made the table
+		used dedupactivity.Options
+	}{
+		"PartitionedTableMadeMeanwhile": {true, dedupactivity.Options{}},
+		"DefaultTableMadeMeanwhile":     {false, partitioned},
+	} {
+		t.Run(name, func(t *testing.T) {
+			s := pgtest.NewSchema(t)
+			app := "mig_" + s.Name
+			pool := (&testBundle{schema: s}).newPool(t, func(cfg *pgxpool.Config) { cfg.ConnConfig.RuntimeParams["application_name"] = app })
+			d, err := dedupactivity.New(pool, c.used)
+			require.NoError(t, err)
+
+			holder, err := s.Pool.Acquire(ctx) // the other worker's Migrate, holding the migrations' lock
+			require.NoError(t, err)
+			defer holder.Release()
+			_, err = holder.Exec(ctx, `SELECT pg_advisory_lock($1)`, dedupactivity.MigrateLockKey)
+			require.NoError(t, err)
+			done := make(chan error, 1)
+			go func() { done <- d.Migrate(ctx) }()
+			require.Eventually(t, func() bool {
+				var n int
+				return s.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+					WHERE l.locktype = 'advisory' AND NOT l.granted AND a.application_name = $1`, app).Scan(&n) == nil && n == 1
+			}, 10*time.Second, 5*time.Millisecond, "Migrate waits for the lock, having found no table")
+			for _, sql := range upFiles(t, c.made) {
+				_, err := holder.Exec(ctx, sql)
+				require.NoError(t, err)
+			}
+			_, err = holder.Exec(ctx, `SELECT pg_advisory_unlock($1)`, dedupactivity.MigrateLockKey)
+			require.NoError(t, err)
+			err = <-done
+			require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions)
+			require.ErrorContains(t, err, "layout")
+			require.Equal(t, int64(1), (&testBundle{schema: s, pool: s.Pool}).count(t,
+				`SELECT count(*) FROM pg_index i JOIN pg_class c ON c.oid = i.indrelid JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum = i.indkey[0]
+				WHERE a.attname = 'expires_at' AND c.relnamespace = current_schema()::regnamespace`), "the table's own expiry index alone")
+		})
 	}
 }

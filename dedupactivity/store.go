@@ -219,6 +219,9 @@ const (
 	(SELECT bool_and(to_regprocedure(f) IS NOT NULL) FROM unnest($4::text[]) AS f),
 	(SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($1)),
 	(SELECT coalesce(relnamespace = (SELECT oid FROM pg_namespace WHERE nspname = current_schema()), false) FROM pg_class WHERE oid = to_regclass($1))`
+	// layoutSQL says whether the table named $1 in current_schema(), where
+	// the files make it, is partitioned (no row when there is none).
+	layoutSQL           = `SELECT relkind = 'p' FROM pg_class WHERE relname = $1 AND relnamespace = current_schema()::regnamespace`
 	advisoryXactLockSQL = `SELECT pg_advisory_xact_lock($1)`
 	// currentXactSQL is the transaction's ID, or NULL if it has written
 	// nothing.
