@@ -524,21 +524,8 @@ func TestHTTPSenderClassifiesFailures(t *testing.T) {
 // connection and every send dials (and shakes hands over TLS) anew.
 func TestHTTPSenderReusesConnections(t *testing.T) {
 	t.Parallel()
-	var conns atomic.Int32
 	for _, status := range []int{http.StatusCreated, http.StatusServiceUnavailable} {
-		conns.Store(0)
-		srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			_, _ = io.Copy(io.Discard, r.Body)
-			w.WriteHeader(status)
-			_, _ = w.Write(bytes.Repeat([]byte("x"), 8<<10))
-		}))
-		srv.Config.ConnState = func(_ net.Conn, s http.ConnState) {
-			if s == http.StateNew {
-				conns.Add(1)
-			}
-		}
-		srv.Start()
-		t.Cleanup(srv.Close)
+		srv, conns := longAnswers(t, status)
 		s, err := outbox.NewHTTPSender(outbox.HTTPSenderConfig{Endpoints: map[string]string{"d": srv.URL}})
 		require.NoError(t, err)
 		for i := range 5 {
@@ -557,26 +544,34 @@ func TestHTTPSenderReusesConnections(t *testing.T) {
 // long answer's body to its end, so its checks share one connection.
 func TestHTTPCheckerReusesConnections(t *testing.T) {
 	t.Parallel()
-	var conns atomic.Int32
 	for _, status := range []int{http.StatusOK, http.StatusNotFound, http.StatusServiceUnavailable} {
-		conns.Store(0)
-		srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			w.WriteHeader(status)
-			_, _ = w.Write(bytes.Repeat([]byte("x"), 8<<10))
-		}))
-		srv.Config.ConnState = func(_ net.Conn, s http.ConnState) {
-			if s == http.StateNew {
-				conns.Add(1)
-			}
-		}
-		srv.Start()
-		t.Cleanup(srv.Close)
+		srv, conns := longAnswers(t, status)
 		c := outbox.HTTPChecker{URL: outbox.StatusURL(map[string]string{"d": srv.URL}), Client: srv.Client()}
 		for i := range 5 {
 			_, _ = c.Applied(context.Background(), outbox.Delivery{Key: fmt.Sprintf("k%d", i), Destination: "d"})
 		}
 		require.Equal(t, int32(1), conns.Load(), "connections for 5 checks answered %d", status)
 	}
+}
+
+// longAnswers serves every request with status and an 8 KiB body, and
+// counts the connections clients open to it.
+func longAnswers(t *testing.T, status int) (srv *httptest.Server, conns *atomic.Int32) {
+	t.Helper()
+	conns = &atomic.Int32{}
+	srv = httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		w.WriteHeader(status)
+		_, _ = w.Write(bytes.Repeat([]byte("x"), 8<<10))
+	}))
+	srv.Config.ConnState = func(_ net.Conn, s http.ConnState) {
+		if s == http.StateNew {
+			conns.Add(1)
+		}
+	}
+	srv.Start()
+	t.Cleanup(srv.Close)
+	return srv, conns
 }
 
 func TestRelayConfigValidate(t *testing.T) {
