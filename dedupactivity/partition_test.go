@@ -700,3 +700,32 @@ func TestMigrateRefusesTheOtherLayoutMadeMeanwhile(t *testing.T) {
 		})
 	}
 }
+
+// TestOldestMarkerAgeInAnyDateStyle: the partitioned layout's oldest-marker
+// gauge reads the oldest partition's start whatever the pool's DateStyle
+// and TimeZone. In the SQL style Kolkata's "IST" was read back as Israel's
+// (3.5h off) and Jakarta's "WIB" not at all (no observation).
+func TestOldestMarkerAgeInAnyDateStyle(t *testing.T) {
+	t.Parallel()
+	iv := time.Hour
+	b := setup(t, dedupactivity.Options{})
+	ctx := context.Background()
+	opts := dedupactivity.Options{Table: "parted", PartitionInterval: iv, PartitionsAhead: 1}
+	d, err := dedupactivity.New(b.pool, opts)
+	require.NoError(t, err)
+	require.NoError(t, d.Migrate(ctx))
+	current := oldestPartitionStart(t, b, "parted")
+	for _, tz := range []string{"Asia/Kolkata", "Asia/Jakarta"} {
+		pool := b.newPool(t, func(cfg *pgxpool.Config) {
+			cfg.ConnConfig.RuntimeParams["DateStyle"] = "SQL, DMY"
+			cfg.ConnConfig.RuntimeParams["TimeZone"] = tz
+		})
+		reader := sdkmetric.NewManualReader()
+		opts.MeterProvider = sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+		_, err := dedupactivity.New(pool, opts)
+		require.NoError(t, err)
+		got := gaugeValues(t, reader, dedupactivity.MetricOldestMarkerAge)
+		require.Len(t, got, 1, tz)
+		require.InDelta(t, time.Since(current).Seconds(), got[0], 5, "%s: the current partition's start", tz)
+	}
+}

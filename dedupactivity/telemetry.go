@@ -13,6 +13,7 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"go.opentelemetry.io/otel/attribute"
@@ -331,22 +332,35 @@ func (t *telemetry) observeOldest(d *Deduper) error {
 	// MeterProvider gets the same instrument, and the SDK ignores (with a
 	// warning) callbacks given when an instrument is made again.
 	var rangesOnly atomic.Bool // the partitioned layout's default partition may not be read
+	partitioned := d.store.oldestRanges != ""
+	read := func(ctx context.Context, query string) (age float64, err error) {
+		if !partitioned {
+			return age, d.pool.QueryRow(ctx, query).Scan(&age)
+		}
+		// Partition bounds are read back from their text, under the ISO
+		// DateStyle (see listPartitionsSQL).
+		return age, pgx.BeginFunc(ctx, d.pool, func(tx pgx.Tx) error {
+			if _, err := tx.Exec(ctx, setLocalISODateStyleSQL); err != nil {
+				return err
+			}
+			return tx.QueryRow(ctx, query).Scan(&age)
+		})
+	}
 	_, err = t.meter.RegisterCallback(func(ctx context.Context, o metric.Observer) error {
 		ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 		defer cancel()
-		var age float64
 		query := d.store.oldest
 		if rangesOnly.Load() {
 			query = d.store.oldestRanges
 		}
-		err := d.pool.QueryRow(ctx, query).Scan(&age)
-		if sqlState(err) == stateInsufficientPrivilege && d.store.oldestRanges != "" && !rangesOnly.Load() {
+		age, err := read(ctx, query)
+		if sqlState(err) == stateInsufficientPrivilege && partitioned && !rangesOnly.Load() {
 			// A role granted the marker table and not its default
 			// partition (as in docs/design.md's Security): from now on
 			// the range partitions' bounds alone, so that no scrape
 			// logs the same ERROR.
 			rangesOnly.Store(true)
-			err = d.pool.QueryRow(ctx, d.store.oldestRanges).Scan(&age)
+			age, err = read(ctx, d.store.oldestRanges)
 		}
 		if err != nil {
 			return nil // empty table, or the database is unreachable: no observation
