@@ -107,14 +107,23 @@ type partition struct {
 	lo, hi time.Time // its range: [lo, hi)
 }
 
+// inISODateStyle runs fn in a transaction whose DateStyle is ISO, for
+// statements that read partition bounds back from their text (see
+// listPartitionsSQL).
+func (d *Deduper) inISODateStyle(ctx context.Context, fn func(pgx.Tx) error) error {
+	return pgx.BeginFunc(ctx, d.pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, setLocalISODateStyleSQL); err != nil {
+			return err
+		}
+		return fn(tx)
+	})
+}
+
 // partitions lists the range partitions (not the default one), in a
 // transaction whose DateStyle is ISO (see listPartitionsSQL).
 func (d *Deduper) partitions(ctx context.Context) ([]partition, error) {
 	var out []partition
-	err := pgx.BeginFunc(ctx, d.pool, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, setLocalISODateStyleSQL); err != nil {
-			return err
-		}
+	err := d.inISODateStyle(ctx, func(tx pgx.Tx) error {
 		rows, err := tx.Query(ctx, listPartitionsSQL, d.store.table)
 		if err != nil {
 			return err

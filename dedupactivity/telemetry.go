@@ -337,14 +337,7 @@ func (t *telemetry) observeOldest(d *Deduper) error {
 		if !partitioned {
 			return age, d.pool.QueryRow(ctx, query).Scan(&age)
 		}
-		// Partition bounds are read back from their text, under the ISO
-		// DateStyle (see listPartitionsSQL).
-		return age, pgx.BeginFunc(ctx, d.pool, func(tx pgx.Tx) error {
-			if _, err := tx.Exec(ctx, setLocalISODateStyleSQL); err != nil {
-				return err
-			}
-			return tx.QueryRow(ctx, query).Scan(&age)
-		})
+		return age, d.inISODateStyle(ctx, func(tx pgx.Tx) error { return tx.QueryRow(ctx, query).Scan(&age) })
 	}
 	_, err = t.meter.RegisterCallback(func(ctx context.Context, o metric.Observer) error {
 		ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
