@@ -125,20 +125,17 @@ func (d *Deduper) claim(ctx context.Context, m *marker, ride bool, fn applyFunc)
 		return fn(ctx, tx)
 	}()
 	a.effectTime = time.Since(effectStart)
-	if tx.state == stateNone {
+	sentAfter := tx.state == stateNone
+	if sentAfter {
 		_, _ = tx.send(ctx, nil) // the effect sent no statement
-		if err != nil && !errors.Is(tx.claimErr, errDuplicate) {
-			// The effect failed before any statement: the claim was sent
-			// only to find a duplicate (which returns the stored result).
-			// Its own failure (say, on the context the effect ran out of)
-			// is not the attempt's: the effect's error stands.
-			tx.claimErr = nil
-		}
 	}
-	if err != nil && errors.As(tx.claimErr, new(effectError)) {
-		// The effect's first statement, sent or prepared with the claim,
-		// failed (see sendClaim) and the effect returned an error: what it
-		// returned is the attempt's, as for any other failed statement.
+	if err != nil && !errors.Is(tx.claimErr, errDuplicate) && (sentAfter || errors.As(tx.claimErr, new(effectError))) {
+		// The effect failed, and the claim either went after it only to
+		// find a duplicate (which returns the stored result) or failed
+		// through the effect's own first statement, sent or prepared with
+		// it (see sendClaim). The effect's error is the attempt's, as for
+		// any other failed statement; not the claim's failure (say, on the
+		// context the effect ran out of).
 		tx.claimErr = nil
 	}
 	if tx.claimErr != nil {
