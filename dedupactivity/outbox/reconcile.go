@@ -87,12 +87,7 @@ func (c HTTPChecker) Applied(ctx context.Context, d Delivery) (bool, error) {
 	if err != nil {
 		return false, fmt.Errorf("outbox: check %s: %w", d.Key, err)
 	}
-	defer func() {
-		// Read what is left (up to maxDrainedBody), so the connection is
-		// reused, as Send does.
-		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, maxDrainedBody))
-		resp.Body.Close()
-	}()
+	defer drainClose(resp.Body)
 	switch resp.StatusCode {
 	case http.StatusOK:
 		return true, nil

@@ -528,7 +528,7 @@ func TestHTTPSenderReusesConnections(t *testing.T) {
 		srv, conns := longAnswers(t, status)
 		s, err := outbox.NewHTTPSender(outbox.HTTPSenderConfig{Endpoints: map[string]string{"d": srv.URL}})
 		require.NoError(t, err)
-		for i := range 5 {
+		for i := range 10 {
 			err := s.Send(context.Background(), outbox.Delivery{Key: fmt.Sprintf("k%d", i), Destination: "d", Payload: []byte(`{}`)})
 			if status < 300 {
 				require.NoError(t, err)
@@ -536,7 +536,7 @@ func TestHTTPSenderReusesConnections(t *testing.T) {
 				require.Error(t, err)
 			}
 		}
-		require.Equal(t, int32(1), conns.Load(), "connections for 5 sends answered %d", status)
+		require.LessOrEqual(t, conns.Load(), int32(maxConns), "connections for 10 sends answered %d", status)
 	}
 }
 
@@ -547,12 +547,18 @@ func TestHTTPCheckerReusesConnections(t *testing.T) {
 	for _, status := range []int{http.StatusOK, http.StatusNotFound, http.StatusServiceUnavailable} {
 		srv, conns := longAnswers(t, status)
 		c := outbox.HTTPChecker{URL: outbox.StatusURL(map[string]string{"d": srv.URL}), Client: srv.Client()}
-		for i := range 5 {
+		for i := range 10 {
 			_, _ = c.Applied(context.Background(), outbox.Delivery{Key: fmt.Sprintf("k%d", i), Destination: "d"})
 		}
-		require.Equal(t, int32(1), conns.Load(), "connections for 5 checks answered %d", status)
+		require.LessOrEqual(t, conns.Load(), int32(maxConns), "connections for 10 checks answered %d", status)
 	}
 }
+
+// maxConns bounds the connections of 10 requests in the reuse tests: one
+// each without reuse. With it, net/http puts a connection back in its idle
+// pool from its read loop, after the body's end reached the caller, so the
+// next request sometimes dials anew (2 of 10 seen under -count=4).
+const maxConns = 3
 
 // longAnswers serves every request with status and an 8 KiB body, and
 // counts the connections clients open to it.

@@ -190,9 +190,17 @@ func checkKey(k string) error {
 // without NUL.
 func storable(s string) bool { return utf8.ValidString(s) && !strings.ContainsRune(s, 0) }
 
-// maxDrainedBody bounds what Send reads of a response body beyond its
-// start, to reuse the connection.
+// maxDrainedBody bounds what drainClose reads of a response body.
 const maxDrainedBody = 64 << 10
+
+// drainClose reads what is left of a response body (up to maxDrainedBody)
+// and closes it: read to its end, it lets net/http reuse the connection;
+// closed unread, every request would dial (and shake hands over TLS) anew.
+// Past maxDrainedBody, closing is cheaper.
+func drainClose(body io.ReadCloser) {
+	_, _ = io.Copy(io.Discard, io.LimitReader(body, maxDrainedBody))
+	body.Close()
+}
 
 // Send POSTs d to its destination.
 func (s *HTTPSender) Send(ctx context.Context, d Delivery) error {
@@ -221,13 +229,7 @@ func (s *HTTPSender) Send(ctx context.Context, d Delivery) error {
 	if err != nil {
 		return fmt.Errorf("outbox: send to %s: %w", d.Destination, err)
 	}
-	defer func() {
-		// The rest of the body, read before it is closed, lets net/http
-		// reuse the connection; closed unread, every send would dial (and
-		// shake hands over TLS) anew. Past maxDrainedBody, closing is cheaper.
-		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, maxDrainedBody))
-		resp.Body.Close()
-	}()
+	defer drainClose(resp.Body)
 	body, err := io.ReadAll(io.LimitReader(resp.Body, 512))
 	if resp.StatusCode >= 200 && resp.StatusCode < 300 {
 		return nil // accepted; a failure to read the rest of the body does not matter
