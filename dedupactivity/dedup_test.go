@@ -17,6 +17,7 @@ import (
 	"go.temporal.io/sdk/converter"
 	"go.temporal.io/sdk/temporal"
 	"go.temporal.io/sdk/testsuite"
+	"go.temporal.io/sdk/workflow"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
@@ -638,4 +639,35 @@ func TestResult(t *testing.T) {
 	var wrong []string
 	_, err = b.d.Result(ctx, id, &wrong)
 	require.ErrorIs(t, err, dedupactivity.ErrEncoding)
+}
+
+// TestReusedActivityIDIsTakenForADuplicate pins a documented limit (README,
+// "Event identity"): a workflow that sets one ActivityID for two activities
+// in a run, the second once the first closed, gets the first's result for
+// the second, and the second's effect is not applied (counted by SQL).
+func TestReusedActivityIDIsTakenForADuplicate(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	twice := func(ctx workflow.Context) ([]Posting, error) {
+		ctx = workflow.WithActivityOptions(ctx, workflow.ActivityOptions{ActivityID: "post", StartToCloseTimeout: time.Minute})
+		var out []Posting
+		for _, amount := range []int64{1, 10} {
+			var p Posting
+			if err := workflow.ExecuteActivity(ctx, "Post", Transfer{Account: "a", Amount: amount}).Get(ctx, &p); err != nil {
+				return nil, err
+			}
+			out = append(out, p)
+		}
+		return out, nil
+	}
+	var s testsuite.WorkflowTestSuite
+	env := s.NewTestWorkflowEnvironment()
+	env.RegisterActivityWithOptions(dedupactivity.Wrap(b.d, b.post), activity.RegisterOptions{Name: "Post"})
+	env.RegisterWorkflow(twice)
+	env.ExecuteWorkflow(twice)
+	require.NoError(t, env.GetWorkflowError())
+	var got []Posting
+	require.NoError(t, env.GetWorkflowResult(&got))
+	require.Equal(t, []Posting{{EntryID: 1, Balance: 1}, {EntryID: 1, Balance: 1}}, got, "the second gets the first's result")
+	require.Equal(t, int64(1), b.ledgerRows(t), "the second's effect is not applied")
 }
