@@ -416,7 +416,7 @@ CREATE TRIGGER slow_lease BEFORE UPDATE ON dedup_outbox FOR EACH ROW EXECUTE FUN
 
 func TestHTTPSenderClassifiesFailures(t *testing.T) {
 	t.Parallel()
-	status := map[string]int{"k400": 400, "k404": 404, "k422": 422, "k408": 408, "k409": 409, "k429": 429, "k500": 500, "k503": 503, "k200": 200, "k201": 201}
+	status := map[string]int{"k400": 400, "k404": 404, "k422": 422, "k408": 408, "k409": 409, "k425": 425, "k429": 429, "k500": 500, "k503": 503, "k200": 200, "k201": 201}
 	dest := newDestination(t, func(key string, _ int) int { return status[key] })
 	s, err := outbox.NewHTTPSender(outbox.HTTPSenderConfig{Endpoints: map[string]string{"d": dest.URL}, Timeout: 300 * time.Millisecond})
 	require.NoError(t, err)
@@ -426,7 +426,7 @@ func TestHTTPSenderClassifiesFailures(t *testing.T) {
 		switch {
 		case code < 300:
 			require.NoError(t, err, key)
-		case code == 408 || code == 409 || code == 429 || code >= 500:
+		case code == 408 || code == 409 || code == 425 || code == 429 || code >= 500:
 			var se *outbox.StatusError
 			require.ErrorAs(t, err, &se, key)
 			require.Equal(t, code, se.StatusCode)
