@@ -22,8 +22,8 @@ import (
 	"github.com/dedupactivity/dedupactivity/migrations"
 )
 
-// TestMigrateIsIdempotentAndConcurrent: 8 concurrent Migrate calls on one
-// table, and 8 on different tables of one new schema, all succeed.
+// TestMigrateIsIdempotentAndConcurrent: 16 concurrent Migrate calls, two on
+// each of 8 tables of one new schema, all succeed.
 func TestMigrateIsIdempotentAndConcurrent(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t)
