@@ -251,3 +251,23 @@ func TestClaimTxTwiceWithResultsDiscarded(t *testing.T) {
 		return nil
 	}))
 }
+
+// TestClaimTxRefusesThePartitionedLayout: ClaimTx takes no identity whose
+// deliveries share a ScheduledTime, so the partitioned layout refuses it
+// before anything is sent, naming the option.
+func TestClaimTxRefusesThePartitionedLayout(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{PartitionInterval: time.Hour, Retention: time.Hour})
+	ctx := context.Background()
+	tx, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "k"}
+	_, err = dedupactivity.ClaimTx[Posting](ctx, b.d, tx, id, Transfer{Account: "a", Amount: 1})
+	require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions)
+	require.ErrorContains(t, err, "PartitionInterval")
+	var one int
+	require.NoError(t, tx.QueryRow(ctx, `SELECT 1`).Scan(&one), "the caller's transaction is untouched")
+	require.NoError(t, tx.Rollback(ctx))
+	require.Zero(t, b.markers(t))
+}
