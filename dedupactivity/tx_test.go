@@ -428,3 +428,41 @@ func TestTxDiesWithTheAttempt(t *testing.T) {
 	}
 	require.Equal(t, int64(1), b.ledgerRows(t))
 }
+
+// TestSwallowedStatementErrorFailsTheAttempt: an effect whose statement
+// failed but which returns no error fails the attempt, and nothing commits,
+// whether the claim went first (a business key) or rode with the first
+// statement; a later delivery applies the effect once.
+func TestSwallowedStatementErrorFailsTheAttempt(t *testing.T) {
+	t.Parallel()
+	for name, opts := range map[string][]dedupactivity.WrapOption{
+		"ClaimFirst": {dedupactivity.WithBusinessKey(func(in Transfer) (string, error) { return in.Account, nil })},
+		"Riding":     nil,
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, dedupactivity.Options{})
+			swallow := true
+			fn := dedupactivity.Wrap(b.d, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+				p, err := b.post(ctx, tx, in)
+				if err != nil || !swallow {
+					return p, err
+				}
+				_, failed := tx.Exec(ctx, "SELECT 1/$1::int", 0)
+				require.Error(t, failed)
+				return p, nil // the error swallowed
+			}, opts...)
+			in := Transfer{Account: "a", Amount: 1}
+			_, err := deliver(t, "Post", fn, in)
+			require.ErrorContains(t, err, "returned no error")
+			require.Zero(t, b.ledgerRows(t))
+			require.Zero(t, b.markers(t))
+
+			swallow = false
+			_, err = deliver(t, "Post", fn, in)
+			require.NoError(t, err)
+			require.Equal(t, int64(1), b.ledgerRows(t), "a later delivery applied the effect once")
+			require.Equal(t, int64(1), b.markers(t))
+		})
+	}
+}
