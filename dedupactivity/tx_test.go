@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	"go.temporal.io/sdk/activity"
 	"go.temporal.io/sdk/temporal"
@@ -388,8 +389,8 @@ func TestTxKeptByAGoroutine(t *testing.T) {
 }
 
 // TestTxDiesWithTheAttempt: a Tx (or savepoint) kept past the attempt
-// returns pgx.ErrTxClosed from every method and writes nothing, even when
-// its connection is back in the pool inside another event's transaction.
+// returns pgx.ErrTxClosed from every method and writes nothing (inside
+// another event's transaction on its connection: TestKeptTxCannotWriteIntoAnotherEvent).
 func TestTxDiesWithTheAttempt(t *testing.T) {
 	t.Parallel()
 	b := setup(t, dedupactivity.Options{})
@@ -465,4 +466,42 @@ func TestSwallowedStatementErrorFailsTheAttempt(t *testing.T) {
 			require.Equal(t, int64(1), b.markers(t))
 		})
 	}
+}
+
+// TestKeptTxCannotWriteIntoAnotherEvent: a Tx kept past its attempt, used
+// while its pooled connection (the pool's only one) carries another event's
+// transaction, returns pgx.ErrTxClosed and writes nothing into it.
+func TestKeptTxCannotWriteIntoAnotherEvent(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	ctx := context.Background()
+	cfg, err := pgxpool.ParseConfig(b.schema.URL)
+	require.NoError(t, err)
+	cfg.MaxConns = 1
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	defer pool.Close()
+	d, err := dedupactivity.New(pool, dedupactivity.Options{})
+	require.NoError(t, err)
+
+	var kept pgx.Tx
+	_, _, err = dedupactivity.Do(ctx, d, runScoped("first"), Transfer{Account: "a", Amount: 1}, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+		kept = tx
+		return b.post(ctx, tx, in)
+	})
+	require.NoError(t, err)
+	_, _, err = dedupactivity.Do(ctx, d, runScoped("second"), Transfer{Account: "a", Amount: 2}, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+		p, err := b.post(ctx, tx, in)
+		if err != nil {
+			return p, err
+		}
+		_, keptErr := kept.Exec(ctx, `INSERT INTO ledger (account, amount) VALUES ($1, $2)`, "b", 99)
+		require.ErrorIs(t, keptErr, pgx.ErrTxClosed)
+		_, keptErr = kept.Exec(ctx, `INSERT INTO ledger (account, amount) VALUES ('b', 99)`)
+		require.ErrorIs(t, keptErr, pgx.ErrTxClosed)
+		return p, nil
+	})
+	require.NoError(t, err)
+	require.Equal(t, int64(2), b.ledgerRows(t), "the two events' own writes only")
+	require.Zero(t, b.count(t, `SELECT count(*) FROM ledger WHERE account = 'b'`))
 }
