@@ -278,39 +278,68 @@ func TestCallWhileTheFirstRowsAreOpen(t *testing.T) {
 }
 
 // TestEarlyCommitWithConcurrentAttempt: an effect that commits the claim
-// transaction early while a concurrent attempt of the same event waits
-// still applies the effect once: the early COMMIT commits the marker too.
+// transaction early applies the effect once, with another attempt of the
+// same event started after the COMMIT (it finds the marker) or before it,
+// waiting on the key a business key's claim inserted first (the COMMIT
+// commits the key, so the waiting insert finds it taken): the early COMMIT
+// commits the marker too.
 func TestEarlyCommitWithConcurrentAttempt(t *testing.T) {
 	t.Parallel()
-	b := setup(t, dedupactivity.Options{ClaimWait: 10 * time.Second})
-	committed := make(chan struct{})
-	var once sync.Once
-	fn := dedupactivity.Wrap(b.d, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
-		p, err := b.post(ctx, tx, in)
-		if err != nil {
-			return p, err
-		}
-		first := false
-		once.Do(func() { first = true })
-		if first {
-			if _, err := tx.Exec(ctx, "COMMIT"); err != nil {
-				return p, err
+	for _, tc := range []struct {
+		name string
+		opts []dedupactivity.WrapOption
+		wait bool // the other attempt starts before the COMMIT and waits on the key
+	}{
+		{name: "AfterTheCommit"},
+		{name: "WaitingOnTheKey", opts: []dedupactivity.WrapOption{dedupactivity.WithBusinessKey(func(in Transfer) (string, error) { return in.Account, nil })}, wait: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, dedupactivity.Options{ClaimWait: 10 * time.Second})
+			claimed, committed := make(chan struct{}), make(chan struct{})
+			var once sync.Once
+			fn := dedupactivity.Wrap(b.d, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+				p, err := b.post(ctx, tx, in)
+				if err != nil {
+					return p, err
+				}
+				first := false
+				once.Do(func() { first = true })
+				if !first {
+					return p, nil
+				}
+				close(claimed)
+				if tc.wait {
+					// The other attempt's claim waits on this transaction's key.
+					require.Eventually(t, func() bool {
+						var waits bool
+						err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_locks WHERE locktype = 'transactionid' AND NOT granted AND transactionid = pg_current_xact_id()::xid)`).Scan(&waits)
+						return err == nil && waits
+					}, 10*time.Second, 10*time.Millisecond)
+				}
+				if _, err := tx.Exec(ctx, "COMMIT"); err != nil {
+					return p, err
+				}
+				close(committed)
+				time.Sleep(300 * time.Millisecond) // the other attempt runs now
+				return p, nil
+			}, tc.opts...)
+			in := Transfer{Account: "a", Amount: 1}
+			var wg sync.WaitGroup
+			wg.Add(1)
+			go func() { defer wg.Done(); _, _ = deliver(t, "Post", fn, in) }()
+			if tc.wait {
+				<-claimed
+			} else {
+				<-committed
 			}
-			close(committed)
-			time.Sleep(300 * time.Millisecond) // the other attempt runs now
-		}
-		return p, nil
-	})
-	in := Transfer{Account: "a", Amount: 1}
-	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() { defer wg.Done(); _, _ = deliver(t, "Post", fn, in) }()
-	<-committed
-	_, err := deliver(t, "Post", fn, in)
-	require.ErrorIs(t, err, dedupactivity.ErrTxEnded)
-	wg.Wait()
-	require.Equal(t, int64(1), b.ledgerRows(t), "applied once")
-	require.Equal(t, int64(1), b.effects.Load(), "the second attempt did not run the effect")
+			_, err := deliver(t, "Post", fn, in)
+			require.ErrorIs(t, err, dedupactivity.ErrTxEnded)
+			wg.Wait()
+			require.Equal(t, int64(1), b.ledgerRows(t), "applied once")
+			require.Equal(t, int64(1), b.effects.Load(), "the other attempt did not run the effect")
+		})
+	}
 }
 
 // TestSavepointsWork: tx.Begin opens a savepoint; rolling it back undoes
