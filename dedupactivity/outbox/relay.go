@@ -68,7 +68,9 @@ type RelayConfig struct {
 
 	// MinBackoff and MaxBackoff bound the wait before a failed message's
 	// next attempt: MinBackoff doubled per failure, capped at MaxBackoff,
-	// with jitter (between half and all of it).
+	// with jitter (between half and all of it). A failure that asks for a
+	// longer wait (RetryAfter, a StatusError's Retry-After) gets it, up to
+	// MaxBackoff.
 	//
 	// Default to DefaultMinBackoff (1s) and DefaultMaxBackoff (5m).
 	MinBackoff, MaxBackoff time.Duration
@@ -390,7 +392,7 @@ func (r *Relay) deliver(ctx context.Context, leaseEnd time.Time, d Delivery, res
 		tag, err = r.fail(rctx, d, StateDead, 0, sendErr)
 	default:
 		result = resultRetried
-		tag, err = r.fail(rctx, d, StatePending, r.backoff(d.tries), sendErr)
+		tag, err = r.fail(rctx, d, StatePending, min(max(r.backoff(d.tries), waitAsked(sendErr)), r.cfg.MaxBackoff), sendErr)
 	}
 	if err != nil {
 		r.tel.endSend(ctx, span, d, result, errors.Join(sendErr, err))

@@ -7,8 +7,10 @@ import (
 	"fmt"
 	"io"
 	"maps"
+	"math"
 	"net/http"
 	"net/url"
+	"strconv"
 	"strings"
 	"time"
 	"unicode/utf8"
@@ -41,7 +43,8 @@ type Delivery struct {
 
 // Sender delivers messages. Send returns nil only when the destination has
 // accepted the message; an error wrapping ErrPermanent makes the message
-// dead at once, any other error is retried with backoff. Send must pass
+// dead at once, any other error is retried with backoff, waiting at least
+// what the error asks for (RetryAfter; a StatusError's RetryAfter). Send must pass
 // d.Key to the destination so that a re-send (after a crash between send and
 // acknowledgement, or a lost response) is applied once there.
 type Sender interface {
@@ -53,6 +56,62 @@ type SenderFunc func(ctx context.Context, d Delivery) error
 
 // Send calls f.
 func (f SenderFunc) Send(ctx context.Context, d Delivery) error { return f(ctx, d) }
+
+// RetryAfter returns err asking the relay to wait at least after before the
+// message's next send, as a destination's Retry-After or a rate limit says:
+// the wait is the longer of after and the relay's backoff, capped at
+// RelayConfig.MaxBackoff. A non-positive after asks for nothing. err is
+// retried as it would be without it: an err wrapping ErrPermanent still
+// makes the message dead, and so does a message's last attempt. RetryAfter
+// returns nil if err is nil.
+func RetryAfter(err error, after time.Duration) error {
+	if err == nil {
+		return nil
+	}
+	return &retryAfterError{err: err, after: after}
+}
+
+// retryAfterError is RetryAfter's error.
+type retryAfterError struct {
+	err   error
+	after time.Duration
+}
+
+func (e *retryAfterError) Error() string { return e.err.Error() }
+
+func (e *retryAfterError) Unwrap() error             { return e.err }
+func (e *retryAfterError) retryAfter() time.Duration { return e.after }
+
+// waitAsked is the wait the first error in err's tree that asks for one
+// (RetryAfter, StatusError.RetryAfter) asks for; 0 if none does.
+func waitAsked(err error) time.Duration {
+	var w interface{ retryAfter() time.Duration }
+	if errors.As(err, &w) {
+		return w.retryAfter()
+	}
+	return 0
+}
+
+// retryAfterHeader reads a Retry-After value (RFC 9110, section 10.2.3):
+// delay-seconds or an HTTP-date, which now turns into a wait. 0 for a value
+// it cannot read, or a date past.
+func retryAfterHeader(v string, now time.Time) time.Duration {
+	v = strings.TrimSpace(v)
+	if v == "" {
+		return 0
+	}
+	const most = uint64(math.MaxInt64 / int64(time.Second))
+	switch n, err := strconv.ParseUint(v, 10, 64); {
+	case err == nil:
+		return time.Duration(min(n, most)) * time.Second
+	case errors.Is(err, strconv.ErrRange):
+		return time.Duration(most) * time.Second // digits past uint64: the longest wait there is
+	}
+	if t, err := http.ParseTime(v); err == nil && t.After(now) {
+		return t.Sub(now)
+	}
+	return 0
+}
 
 // IdempotencyKeyHeader is the HTTP header carrying the idempotency key.
 const IdempotencyKeyHeader = "Idempotency-Key"
@@ -85,7 +144,7 @@ type HTTPSenderConfig struct {
 // with the Idempotency-Key header, Content-Type application/json and the
 // message's headers. A 2xx response is success; 408, 409, 425, 429 and 5xx
 // responses and network errors are retried (StatusError, or the transport's
-// error); other 4xx and every 3xx response are permanent (a StatusError
+// error), not before the response's Retry-After; other 4xx and every 3xx response are permanent (a StatusError
 // wrapping ErrPermanent). Redirects are not followed: following one would
 // POST the message elsewhere (307, 308) or GET another page (301 to 303)
 // and take that answer's 2xx for a delivery.
@@ -128,7 +187,14 @@ type StatusError struct {
 	StatusCode int
 	// Body is the start of the response body (at most 512 bytes).
 	Body string
+	// RetryAfter is the wait the response's Retry-After header asks for
+	// (delay-seconds or an HTTP-date), 0 without one or with one that
+	// cannot be read. The relay waits at least this long before the next
+	// send of a retryable status, up to RelayConfig.MaxBackoff.
+	RetryAfter time.Duration
 }
+
+func (e *StatusError) retryAfter() time.Duration { return e.RetryAfter }
 
 func (e *StatusError) Error() string {
 	return fmt.Sprintf("outbox: destination answered %d %s: %s", e.StatusCode, http.StatusText(e.StatusCode), e.Body)
@@ -237,5 +303,5 @@ func (s *HTTPSender) Send(ctx context.Context, d Delivery) error {
 	if err != nil && !errors.Is(err, io.EOF) {
 		body = append(body, []byte(" (reading body: "+err.Error()+")")...)
 	}
-	return &StatusError{StatusCode: resp.StatusCode, Body: string(body)}
+	return &StatusError{StatusCode: resp.StatusCode, Body: string(body), RetryAfter: retryAfterHeader(resp.Header.Get("Retry-After"), time.Now())}
 }

@@ -1,0 +1,171 @@
+package outbox_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/dedupactivity/dedupactivity/dedupactivity/outbox"
+)
+
+// waitSeconds is the wait, in seconds from now, before the only message's
+// next send, as the outbox table holds it.
+func (b *testBundle) waitSeconds(t *testing.T) float64 {
+	t.Helper()
+	var s float64
+	require.NoError(t, b.schema.Pool.QueryRow(context.Background(),
+		`SELECT extract(epoch FROM next_attempt_at - now()) FROM dedup_outbox WHERE state = 'pending'`).Scan(&s))
+	return s
+}
+
+// TestBackoffDoublesUpToTheCap: the wait after the n-th failed send is
+// MinBackoff doubled n-1 times, capped at MaxBackoff, jittered to between
+// half and all of it. The tries are set in the table, so each case is one
+// send; the bounds are seconds wide, so the test's own time does not matter.
+func TestBackoffDoublesUpToTheCap(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		tries    int // failed sends before this one
+		min, max float64
+	}{
+		{tries: 0, min: 5, max: 10},     // 10s
+		{tries: 1, min: 10, max: 20},    // 20s
+		{tries: 3, min: 40, max: 80},    // 80s
+		{tries: 5, min: 150, max: 300},  // 320s, capped at 300s
+		{tries: 40, min: 150, max: 300}, // capped
+	} {
+		t.Run(fmt.Sprint(tc.tries), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			dest := newDestination(t, func(string, int) int { return http.StatusServiceUnavailable })
+			b.placeN(t, 1)
+			_, err := b.schema.Pool.Exec(context.Background(), `UPDATE dedup_outbox SET attempts = $1, tries = $1`, tc.tries)
+			require.NoError(t, err)
+			r := b.relay(t, dest, outbox.RelayConfig{MaxAttempts: 100, MinBackoff: 10 * time.Second, MaxBackoff: 300 * time.Second})
+			res, err := r.RunOnce(context.Background())
+			require.NoError(t, err)
+			require.Equal(t, outbox.RelayResult{Retried: 1}, res)
+			w := b.waitSeconds(t)
+			require.GreaterOrEqual(t, w, tc.min-1, "at least half the backoff (less the test's own time)")
+			require.LessOrEqual(t, w, tc.max)
+		})
+	}
+}
+
+// TestHTTPSenderReadsRetryAfter: a retryable status's Retry-After header,
+// in seconds or as an HTTP-date, is the StatusError's RetryAfter; one that
+// cannot be read, or a date past, is 0.
+func TestHTTPSenderReadsRetryAfter(t *testing.T) {
+	t.Parallel()
+	header := map[string]string{
+		"seconds": "120",
+		"date":    time.Now().Add(90 * time.Second).UTC().Format(http.TimeFormat),
+		"past":    time.Now().Add(-time.Hour).UTC().Format(http.TimeFormat),
+		"bad":     "soon",
+		"minus":   "-5",
+		"none":    "",
+		"huge":    "99999999999999999999",
+	}
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if v := header[r.Header.Get(outbox.IdempotencyKeyHeader)]; v != "" {
+			w.Header().Set("Retry-After", v)
+		}
+		w.WriteHeader(http.StatusTooManyRequests)
+	}))
+	t.Cleanup(srv.Close)
+	s := httpSender(t, srv.URL)
+	for key, want := range map[string][2]time.Duration{
+		"seconds": {120 * time.Second, 120 * time.Second},
+		"date":    {80 * time.Second, 90 * time.Second}, // the date has whole seconds
+		"past":    {0, 0},
+		"bad":     {0, 0},
+		"minus":   {0, 0},
+		"none":    {0, 0},
+		"huge":    {100 * 365 * 24 * time.Hour, time.Duration(1<<63 - 1)},
+	} {
+		err := s.Send(context.Background(), outbox.Delivery{Key: key, Destination: "receipts", Payload: []byte(`{}`), Attempt: 1})
+		var se *outbox.StatusError
+		require.ErrorAs(t, err, &se, key)
+		require.Equal(t, http.StatusTooManyRequests, se.StatusCode, key)
+		require.GreaterOrEqual(t, se.RetryAfter, want[0], key)
+		require.LessOrEqual(t, se.RetryAfter, want[1], key)
+		require.NotErrorIs(t, err, outbox.ErrPermanent, key)
+	}
+}
+
+// TestRelayWaitsWhatTheDestinationAsks: a retryable failure that asks for a
+// wait (a 429's Retry-After through HTTPSender, or RetryAfter from any
+// Sender) is not sent again before it, longer than the backoff would be, and
+// never past MaxBackoff; a permanent error asking for a wait is still dead,
+// and a shorter wait than the backoff leaves the backoff.
+func TestRelayWaitsWhatTheDestinationAsks(t *testing.T) {
+	t.Parallel()
+	busy := errors.New("busy")
+	retryAfter := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Retry-After", "120")
+		w.WriteHeader(http.StatusTooManyRequests)
+	}))
+	t.Cleanup(retryAfter.Close)
+	for _, tc := range []struct {
+		name     string
+		sender   func(t *testing.T) outbox.Sender
+		max      time.Duration // MaxBackoff
+		min, top float64       // bounds of the wait, in seconds
+		dead     bool
+	}{
+		{name: "RetryAfterHeader", sender: func(t *testing.T) outbox.Sender { return httpSender(t, retryAfter.URL) }, max: time.Hour, min: 119, top: 120},
+		{name: "CappedAtMaxBackoff", sender: func(t *testing.T) outbox.Sender { return httpSender(t, retryAfter.URL) }, max: 30 * time.Second, min: 29, top: 30},
+		{name: "RetryAfterFromASender", sender: func(*testing.T) outbox.Sender {
+			return outbox.SenderFunc(func(context.Context, outbox.Delivery) error { return outbox.RetryAfter(fmt.Errorf("rate limited: %w", busy), time.Minute) })
+		}, max: time.Hour, min: 59, top: 60},
+		{name: "ShorterThanTheBackoff", sender: func(*testing.T) outbox.Sender {
+			return outbox.SenderFunc(func(context.Context, outbox.Delivery) error { return outbox.RetryAfter(busy, time.Millisecond) })
+		}, max: time.Hour, min: 4, top: 10},
+		{name: "PermanentStaysDead", sender: func(*testing.T) outbox.Sender {
+			return outbox.SenderFunc(func(context.Context, outbox.Delivery) error {
+				return outbox.RetryAfter(fmt.Errorf("%w: refused", outbox.ErrPermanent), time.Minute)
+			})
+		}, max: time.Hour, dead: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			b.placeN(t, 1)
+			r := b.relay(t, nil, outbox.RelayConfig{Sender: tc.sender(t), MinBackoff: 10 * time.Second, MaxBackoff: tc.max})
+			res, err := r.RunOnce(context.Background())
+			require.NoError(t, err)
+			if tc.dead {
+				require.Equal(t, outbox.RelayResult{Dead: 1}, res)
+				require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'dead'`))
+				return
+			}
+			require.Equal(t, outbox.RelayResult{Retried: 1}, res)
+			w := b.waitSeconds(t)
+			require.GreaterOrEqual(t, w, tc.min)
+			require.LessOrEqual(t, w, tc.top)
+		})
+	}
+}
+
+// ExampleRetryAfter: a Sender for an API that says how long to wait.
+func ExampleRetryAfter() {
+	sender := outbox.SenderFunc(func(ctx context.Context, d outbox.Delivery) error {
+		// A client for the destination's API that reports a rate limit.
+		if wait, limited := rateLimited(d); limited {
+			return outbox.RetryAfter(errors.New("rate limited"), wait)
+		}
+		return nil
+	})
+	err := sender.Send(context.Background(), outbox.Delivery{Key: "order-1:receipt", Destination: "mail"})
+	fmt.Println(err)
+	// Output: rate limited
+}
+
+// rateLimited stands for a destination's answer.
+func rateLimited(outbox.Delivery) (time.Duration, bool) { return 30 * time.Second, true }
