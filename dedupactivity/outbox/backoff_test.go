@@ -122,7 +122,9 @@ func TestRelayWaitsWhatTheDestinationAsks(t *testing.T) {
 		{name: "RetryAfterHeader", sender: func(t *testing.T) outbox.Sender { return httpSender(t, retryAfter.URL) }, max: time.Hour, min: 119, top: 120},
 		{name: "CappedAtMaxBackoff", sender: func(t *testing.T) outbox.Sender { return httpSender(t, retryAfter.URL) }, max: 30 * time.Second, min: 29, top: 30},
 		{name: "RetryAfterFromASender", sender: func(*testing.T) outbox.Sender {
-			return outbox.SenderFunc(func(context.Context, outbox.Delivery) error { return outbox.RetryAfter(fmt.Errorf("rate limited: %w", busy), time.Minute) })
+			return outbox.SenderFunc(func(context.Context, outbox.Delivery) error {
+				return outbox.RetryAfter(fmt.Errorf("rate limited: %w", busy), time.Minute)
+			})
 		}, max: time.Hour, min: 59, top: 60},
 		{name: "ShorterThanTheBackoff", sender: func(*testing.T) outbox.Sender {
 			return outbox.SenderFunc(func(context.Context, outbox.Delivery) error { return outbox.RetryAfter(busy, time.Millisecond) })
