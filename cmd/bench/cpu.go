@@ -38,8 +38,11 @@ func newCPUMeter(dataDir string) cpuMeter {
 const userHZ = 100
 
 // read returns the server's and this process's CPU time so far; server is
-// -1 when unknown. Server processes that exited between two reads (none do
-// in the benchmark: the pool keeps its connections) are not counted.
+// -1 when unknown. The server's is the live processes' (the postmaster and
+// its children) plus the postmaster's cutime and cstime: the CPU time of
+// the children it has reaped. So a process that exits between two reads
+// (an autovacuum worker, a backend the pool closed) is counted in full,
+// rather than left out, or subtracted when it was alive at the first read.
 func (m cpuMeter) read() (server, client time.Duration) {
 	var ru syscall.Rusage
 	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err == nil {
@@ -62,16 +65,21 @@ func (m cpuMeter) read() (server, client time.Duration) {
 		}
 		pid, _ := strconv.Atoi(strings.TrimSpace(s[:strings.IndexByte(s, ' ')]))
 		f := strings.Fields(s[end+2:]) // f[0] is field 3 (state)
-		if len(f) < 13 {
+		if len(f) < 15 {
 			continue
 		}
 		ppid, _ := strconv.Atoi(f[1])
 		if pid != m.postmaster && ppid != m.postmaster {
 			continue
 		}
-		utime, _ := strconv.ParseInt(f[11], 10, 64)
-		stime, _ := strconv.ParseInt(f[12], 10, 64)
+		utime, _ := strconv.ParseInt(f[11], 10, 64) // field 14
+		stime, _ := strconv.ParseInt(f[12], 10, 64) // field 15
 		ticks += utime + stime
+		if pid == m.postmaster {
+			cutime, _ := strconv.ParseInt(f[13], 10, 64) // field 16: reaped children
+			cstime, _ := strconv.ParseInt(f[14], 10, 64) // field 17
+			ticks += cutime + cstime
+		}
 	}
 	return time.Duration(ticks) * time.Second / userHZ, client
 }
