@@ -122,7 +122,7 @@ func run() error {
 	}
 
 	rep := &report{cfg: cfg}
-	if rep.machine, err = machine(ctx, pool); err != nil {
+	if rep.machine, err = machine(ctx, pool, dataDir != ""); err != nil {
 		return err
 	}
 	approaches := b.approaches()
@@ -260,10 +260,17 @@ func openPool(ctx context.Context, url string, maxConns int32, writes *atomic.In
 	return pgxpool.NewWithConfig(ctx, cfg)
 }
 
-func machine(ctx context.Context, pool *pgxpool.Pool) (string, error) {
-	var pg string
-	if err := pool.QueryRow(ctx, `SHOW server_version`).Scan(&pg); err != nil {
+// machine describes the machine and the server, with the durability
+// settings the server reports (not the ones the bench asked for: a server
+// from BENCH_DATABASE_URL has its own).
+func machine(ctx context.Context, pool *pgxpool.Pool, local bool) (string, error) {
+	var pg, fsync, syncCommit string
+	if err := pool.QueryRow(ctx, `SELECT current_setting('server_version'), current_setting('fsync'), current_setting('synchronous_commit')`).Scan(&pg, &fsync, &syncCommit); err != nil {
 		return "", err
+	}
+	where := "on the same machine"
+	if !local {
+		where = "from BENCH_DATABASE_URL"
 	}
 	cpu := "unknown CPU"
 	if raw, err := os.ReadFile("/proc/cpuinfo"); err == nil {
@@ -274,7 +281,7 @@ func machine(ctx context.Context, pool *pgxpool.Pool) (string, error) {
 			}
 		}
 	}
-	return fmt.Sprintf("%d cores (%s), %s, PostgreSQL %s on the same machine (fsync on)", runtime.NumCPU(), cpu, runtime.Version(), pg), nil
+	return fmt.Sprintf("%d cores (%s), %s, PostgreSQL %s %s (fsync %s, synchronous_commit %s)", runtime.NumCPU(), cpu, runtime.Version(), pg, where, fsync, syncCommit), nil
 }
 
 func gitDescribe() string {
