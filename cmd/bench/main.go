@@ -150,6 +150,11 @@ func run() error {
 		rep.roundTrips = append(rep.roundTrips, roundTrips{a.name, rt, dupRT})
 	}
 
+	fmt.Println("warm-up (not measured) ...")
+	if err := b.warmUp(ctx, approaches, cfg.levels, cfg.duration/5); err != nil {
+		return err
+	}
+
 	fmt.Printf("throughput: %d rounds x %v x %d approaches x %v ...\n", cfg.rounds, cfg.duration, len(approaches), cfg.levels)
 	cells := map[string]*cell{}
 	for r := range cfg.rounds {
@@ -223,6 +228,36 @@ func run() error {
 		}
 	}
 	return rep.write()
+}
+
+// warmUp opens the connections the highest level needs, so that round 0's
+// first row at each level does not pay for opening them (a backend's start,
+// in the server's CPU time and the row's elapsed time), then runs every
+// approach at every level for d, in random order, into cells that are
+// dropped: every row starts round 0 with its statements prepared on every
+// connection and its tables' pages in the cache.
+func (b *bench) warmUp(ctx context.Context, approaches []approach, levels []int, d time.Duration) error {
+	conns := make([]*pgxpool.Conn, 0, slices.Max(levels))
+	for range cap(conns) {
+		c, err := b.pool.Acquire(ctx)
+		if err != nil {
+			return err
+		}
+		conns = append(conns, c)
+	}
+	for _, c := range conns {
+		c.Release()
+	}
+	for _, c := range levels {
+		order := slices.Clone(approaches)
+		rand.Shuffle(len(order), func(i, j int) { order[i], order[j] = order[j], order[i] })
+		for _, a := range order {
+			if err := b.load(ctx, a, c, d, "w", &cell{approach: a.name, conc: c}); err != nil {
+				return fmt.Errorf("warm-up: %s at %d: %w", a.name, c, err)
+			}
+		}
+	}
+	return nil
 }
 
 // serial delivers n new events one after another with a and prints the

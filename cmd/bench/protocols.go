@@ -50,7 +50,7 @@ func (b *bench) seedRecipe(ctx context.Context, key string, in posting) (bool, e
 	defer tx.Rollback(ctx) // no-op after Commit
 	var got string
 	err = tx.QueryRow(ctx, `INSERT INTO processed_events (event_id) VALUES ($1) ON CONFLICT DO NOTHING RETURNING event_id`, key).Scan(&got)
-	if err == pgx.ErrNoRows {
+	if errors.Is(err, pgx.ErrNoRows) {
 		return true, tx.Commit(ctx)
 	}
 	if err != nil {

@@ -62,7 +62,7 @@ func (r *report) write() error {
 	if r.cfg.ledgerRows > 1 {
 		rows = fmt.Sprintf("%d ledger rows, one statement each,", r.cfg.ledgerRows)
 	}
-	fmt.Fprintf(&b, "Every approach applies the same effect (INSERT %s + UPDATE one of %d balance rows) to new events; rounds: %d x %s per approach and concurrency level, interleaved in random order.\n\n", rows, accounts, r.cfg.rounds, r.cfg.duration)
+	fmt.Fprintf(&b, "Every approach applies the same effect (INSERT %s + UPDATE one of %d balance rows) to new events; rounds: %d x %s per approach and concurrency level, interleaved in random order, after a warm-up of %s each (not measured) on connections opened beforehand.\n\n", rows, accounts, r.cfg.rounds, r.cfg.duration, r.cfg.duration/5)
 
 	fmt.Fprintf(&b, "## Throughput and latency (first deliveries)\n\n")
 	fmt.Fprintf(&b, "| approach | concurrency | events/s | vs bare | p50 ms | p99 ms | server CPU µs/event | client CPU µs/event | WAL bytes/event |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
