@@ -89,8 +89,8 @@ RETURNING ctid, pg_current_xact_id()::text, set_config('lock_timeout', current_s
 func self(table string) string { return `'` + table + `'::regclass::oid` }
 
 // sameTable fails the statement when table names another table than oid $n
-// (dedupactivity/store.go), through dedup_marker's function (dedup_noidx is
-// a copy of dedup_marker's table alone).
+// (dedupactivity/store.go), through dedup_marker's function (the by-hand
+// rows' tables are copies of dedup_marker's table alone).
 func sameTable(table, n string) string {
 	return `CASE WHEN ` + self(table) + ` = ` + n + `::oid THEN true ELSE "dedup_marker_moved"() END`
 }
@@ -176,7 +176,7 @@ func (b *bench) floor(ctx context.Context, key string, in posting) (bool, error)
 // is inserted with COMMIT. With no Go side around it, against the
 // dedupactivity row it shows what the library's Go side costs.
 func (b *bench) byHand(ctx context.Context, key string, in posting) (bool, error) {
-	return b.byHandOf(ctx, `"dedup_marker"`, true, key, in)
+	return b.byHandOf(ctx, `"dedup_byhand"`, true, key, in)
 }
 
 // byHandOf is byHand on another marker table, with or without the look: it
