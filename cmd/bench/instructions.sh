@@ -23,6 +23,22 @@
 # amount that varies with the machine. That work is not per event, so the
 # smallest of several runs is the closest to the client's cost; compare
 # client counts over RUNS=3 or more, and allocations, which repeat.
+# What the server's count holds: the backends that exit, which is every
+# connection of the bench process (the pool closes them at exit; settled
+# waits for them). The postmaster, checkpointer, background writer and WAL
+# writer never exit, so no row's count has them; with synchronous_commit
+# off (both servers) the WAL writer writes and flushes the WAL the backends
+# insert, so a row that writes more WAL has that part of its cost, mostly
+# kernel time, left out, and the counts are not those of the throughput
+# bench's synchronous_commit=on commits. autovacuum is off on both servers,
+# so no worker lands in one run and not another. Valgrind's callgrind
+# (3.19 at least) starts a forked process with its parent's count so far:
+# each backend's file holds the postmaster's instructions up to its fork.
+# That cancels in LARGE-SMALL while both runs open the same number of
+# connections (the server's count repeating within 0.5% says they do); what
+# is left is the postmaster's own work between the two runs' forks
+# (accepting the connections in between), times the backends, alike for
+# every row.
 # Needs valgrind (Debian: apt-get install valgrind) and the PostgreSQL server
 # binaries (make deps). Runs as root (the server as user postgres) or as a
 # user that can run initdb.
