@@ -294,6 +294,9 @@ func percentile(ls []time.Duration, p float64) time.Duration {
 	return s[min(len(s)-1, int(p*float64(len(s))))]
 }
 
+// eventKeyLen is the length of the event keys of the throughput rounds.
+const eventKeyLen = 36
+
 // load runs first deliveries of new events from conc goroutines for d.
 func (b *bench) load(ctx context.Context, a approach, conc int, d time.Duration, round string, c *cell) error {
 	var (
@@ -316,8 +319,10 @@ func (b *bench) load(ctx context.Context, a approach, conc int, d time.Duration,
 			for time.Now().Before(deadline) {
 				// The same length for every row (not the row's name, whose
 				// length would size the ledger's event_key, its index and
-				// the seed recipe's text key differently per row).
-				key := fmt.Sprintf("%s-%s-%02d-%02d-%07d", a.id, round, conc, g, seq.Add(1))
+				// the seed recipe's text key differently per row): a
+				// UUID's text length, a common event ID's.
+				prefix := fmt.Sprintf("%s-%s-%02d-%02d-", a.id, round, conc, g)
+				key := prefix + fmt.Sprintf("%0*d", max(1, eventKeyLen-len(prefix)), seq.Add(1))
 				t0 := time.Now()
 				if _, err := a.deliver(ctx, key, newPosting(key)); err != nil {
 					failed.Add(1)
