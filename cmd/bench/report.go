@@ -113,7 +113,7 @@ func (r *report) write() error {
 		rs := r.temporal.ratios
 		fmt.Fprintf(&b, "\n## On a Temporal dev server\n\n%d activities per measurement, 8 workflows fanning out, %d ABBA rounds, 64 concurrent activity slots, 8 activity and 8 workflow task pollers.\n\n| activity | activities/s |\n|---|---:|\n| unwrapped (effect in a transaction) | %.0f |\n| wrapped by dedupactivity | %.0f (%.2fx) |\n\nWrapped/unwrapped by round: median %.2fx, range %.2fx to %.2fx.\n",
 			r.temporal.activities, r.temporal.rounds, r.temporal.bare, r.temporal.wrapped, r.temporal.wrapped/r.temporal.bare,
-			rs[len(rs)/2], rs[0], rs[len(rs)-1])
+			medianOf(rs), rs[0], rs[len(rs)-1])
 	}
 
 	r.targets(&b)
@@ -283,5 +283,15 @@ func (r *report) roundRatios(a, b string, conc int) (median, lo, hi float64) {
 		return 0, 0, 0
 	}
 	sort.Float64s(ratios)
-	return ratios[len(ratios)/2], ratios[0], ratios[len(ratios)-1]
+	return medianOf(ratios), ratios[0], ratios[len(ratios)-1]
+}
+
+// medianOf is the median of sorted values (not empty): with an even number
+// of them, the mean of the two in the middle, not the upper one.
+func medianOf(sorted []float64) float64 {
+	n := len(sorted)
+	if n%2 == 1 {
+		return sorted[n/2]
+	}
+	return (sorted[n/2-1] + sorted[n/2]) / 2
 }

@@ -94,3 +94,19 @@ func TestCostBreakdown(t *testing.T) {
 		t.Errorf("breakdown without the server's CPU should say it is not measured; got:\n%s", b.String())
 	}
 }
+
+func TestRoundRatiosMedian(t *testing.T) {
+	t.Parallel()
+	r := &report{cells: []*cell{
+		{approach: "a", conc: 8, perRound: []float64{10, 20, 30, 40}},
+		{approach: "b", conc: 8, perRound: []float64{10, 10, 10, 10}},
+	}}
+	// Ratios 1, 2, 3, 4: the median of an even count is the mean of the
+	// middle two.
+	if med, lo, hi := r.roundRatios("a", "b", 8); med != 2.5 || lo != 1 || hi != 4 {
+		t.Errorf("roundRatios = %v, %v, %v; want 2.5, 1, 4", med, lo, hi)
+	}
+	if got := medianOf([]float64{1, 2, 3}); got != 2 {
+		t.Errorf("medianOf(1, 2, 3) = %v, want 2", got)
+	}
+}
