@@ -62,6 +62,7 @@ FROM generate_series($1::bigint, $2::bigint - 1) g`, lo, hi)
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
+				deadline := deadline // this goroutine's: stop moves it without a data race
 				var ls []time.Duration
 				for time.Now().Before(deadline) {
 					select {
