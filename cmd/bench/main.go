@@ -299,8 +299,8 @@ func openPool(ctx context.Context, url string, maxConns int32, writes *atomic.In
 // settings the server reports (not the ones the bench asked for: a server
 // from BENCH_DATABASE_URL has its own).
 func machine(ctx context.Context, pool *pgxpool.Pool, local bool) (string, error) {
-	var pg, fsync, syncCommit string
-	if err := pool.QueryRow(ctx, `SELECT current_setting('server_version'), current_setting('fsync'), current_setting('synchronous_commit')`).Scan(&pg, &fsync, &syncCommit); err != nil {
+	var pg, fsync, syncCommit, iso string
+	if err := pool.QueryRow(ctx, `SELECT current_setting('server_version'), current_setting('fsync'), current_setting('synchronous_commit'), current_setting('default_transaction_isolation')`).Scan(&pg, &fsync, &syncCommit, &iso); err != nil {
 		return "", err
 	}
 	where := "on the same machine"
@@ -316,7 +316,9 @@ func machine(ctx context.Context, pool *pgxpool.Pool, local bool) (string, error
 			}
 		}
 	}
-	return fmt.Sprintf("%d cores (%s), %s, PostgreSQL %s %s (fsync %s, synchronous_commit %s)", runtime.NumCPU(), cpu, runtime.Version(), pg, where, fsync, syncCommit), nil
+	// dedupactivity begins READ COMMITTED whatever the default; bare, the
+	// seed recipe and the other rows' plain BEGIN take the default.
+	return fmt.Sprintf("%d cores (%s), %s, PostgreSQL %s %s (fsync %s, synchronous_commit %s, default_transaction_isolation %s)", runtime.NumCPU(), cpu, runtime.Version(), pg, where, fsync, syncCommit, iso), nil
 }
 
 func gitDescribe() string {
