@@ -121,6 +121,8 @@ func (b *bench) effectFrom(ctx context.Context, tx pgx.Tx, in posting, r receipt
 	return r, err
 }
 
+// approaches lists the rows in report order, each with its id, the
+// position in this list (so that a subset from -only keeps its rows' ids).
 func (b *bench) approaches() []approach {
 	do := func(d *dedupactivity.Deduper, id func(key string) dedupactivity.Identity) func(ctx context.Context, key string, in posting) (bool, error) {
 		return func(ctx context.Context, key string, in posting) (bool, error) {
