@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/require"
 	commonpb "go.temporal.io/api/common/v1"
 	"go.temporal.io/sdk/activity"
@@ -588,6 +589,12 @@ func TestClaimWaitCutByDeadline(t *testing.T) {
 	// A claim timeout before the 10s ClaimWait: the deadline cut it short.
 	require.ErrorIs(t, err, dedupactivity.ErrClaimTimeout)
 	require.Equal(t, dedupactivity.OutcomeClaimTimeout, outcome)
+	// Ended by the claim's own lock_timeout, cut to the deadline less a
+	// margin, not by the deadline cancelling the query (57014) or the
+	// connection (a context error).
+	var pgErr *pgconn.PgError
+	require.ErrorAs(t, err, &pgErr, "ended by the claim's lock_timeout: %v", err)
+	require.Equal(t, "55P03", pgErr.Code, "lock_not_available, not a cancelled query: %v", err)
 
 	release()
 	require.NoError(t, <-holder)
