@@ -621,3 +621,37 @@ func outsideAttempts(t *testing.T, reader *sdkmetric.ManualReader) map[string]in
 	}
 	return out
 }
+
+// TestDuplicateNamesTheAttemptThatApplied: a duplicate's span names the
+// attempt that applied the effect (dedup.stored.attempt, read from the
+// marker), not its own. In the workflow test environment the retry after a
+// lost completion is attempt 2, so the two differ; in the activity test
+// environment every delivery is attempt 1 and a test there cannot tell them
+// apart.
+func TestDuplicateNamesTheAttemptThatApplied(t *testing.T) {
+	t.Parallel()
+	b := setupTelemetry(t, dedupactivity.Options{})
+	wrapped := dedupactivity.Wrap(b.d, b.post)
+	driver := func(ctx context.Context, in Transfer) (Posting, error) {
+		p, err := wrapped(ctx, in)
+		if activity.GetInfo(ctx).Attempt == 1 {
+			return Posting{}, errors.New("worker lost before completion") // the effect committed
+		}
+		return p, err
+	}
+	var s testsuite.WorkflowTestSuite
+	env := s.NewTestWorkflowEnvironment()
+	env.RegisterActivityWithOptions(driver, activity.RegisterOptions{Name: "Post"})
+	env.ExecuteWorkflow(postWorkflow, Transfer{Account: "a", Amount: 5})
+	require.True(t, env.IsWorkflowCompleted())
+	require.NoError(t, env.GetWorkflowError())
+	require.Equal(t, int64(1), b.ledgerRows(t))
+	require.Equal(t, int64(1), b.count(t, `SELECT attempt FROM dedup_marker`), "attempt 1 applied the effect")
+
+	ended := b.spans.Ended()
+	require.Len(t, ended, 2)
+	require.Equal(t, string(dedupactivity.OutcomeClaimed), attr(ended[0], dedupactivity.OutcomeKey).AsString())
+	require.Equal(t, string(dedupactivity.OutcomeDuplicate), attr(ended[1], dedupactivity.OutcomeKey).AsString())
+	require.Equal(t, int64(2), attr(ended[1], attribute.Key("temporal.activity.attempt")).AsInt64(), "the duplicate is attempt 2")
+	require.Equal(t, int64(1), attr(ended[1], dedupactivity.StoredAttemptKey).AsInt64(), "it names attempt 1, which applied the effect")
+}
