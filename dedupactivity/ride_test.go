@@ -448,6 +448,34 @@ func TestEffectErrorBeforeAnyStatementIsTheEffects(t *testing.T) {
 	require.Zero(t, b.markers(t))
 }
 
+// TestDuplicateWhoseEffectFailedBeforeAnyStatement: on a first attempt the
+// claim waits for the effect's first statement; an effect that returns an
+// error before sending any makes the claim go on its own after it, and when
+// that claim finds the event applied the delivery is a duplicate: it returns
+// the stored result, not the effect's error (which came from a run that
+// could apply nothing), and nothing more is written.
+func TestDuplicateWhoseEffectFailedBeforeAnyStatement(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	ctx := context.Background()
+	id := runScoped("fails-before-statements")
+	first, outcome, err := dedupactivity.Do(ctx, b.d, id, Transfer{Account: "a", Amount: 3}, b.post)
+	require.NoError(t, err)
+	require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
+
+	errOwn := errors.New("rates service down")
+	again, outcome, err := dedupactivity.Do(ctx, b.d, id, Transfer{Account: "a", Amount: 3},
+		func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+			return Posting{}, errOwn // before any statement
+		})
+	require.NoError(t, err, "a duplicate returns the stored result, not the effect's error")
+	require.Equal(t, dedupactivity.OutcomeDuplicate, outcome)
+	require.Equal(t, first, again)
+	require.Equal(t, int64(1), b.ledgerRows(t))
+	require.Equal(t, int64(3), b.count(t, `SELECT balance FROM account WHERE id = 'a'`))
+	require.Equal(t, int64(1), b.markers(t))
+}
+
 // TestRidingDuplicateUndoesSessionSettings: what a riding duplicate's first
 // statement did outside its transaction stays (a sequence's nextval), but
 // a session-level set_config does not: PostgreSQL undoes it with the
