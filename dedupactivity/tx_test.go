@@ -534,3 +534,26 @@ func TestKeptTxCannotWriteIntoAnotherEvent(t *testing.T) {
 	require.Equal(t, int64(2), b.ledgerRows(t), "the two events' own writes only")
 	require.Zero(t, b.count(t, `SELECT count(*) FROM ledger WHERE account = 'b'`))
 }
+
+// TestEffectDeletingItsMarker: an effect of a claim that went first (a
+// business key) that deletes the marker row its claim inserted fails the
+// attempt with ErrTxEnded, as the result update finds no row: the attempt
+// is not reported as claimed while the event is left unmarked.
+func TestEffectDeletingItsMarker(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "order-del"}
+	_, outcome, err := dedupactivity.Do(context.Background(), b.d, id, Transfer{Account: "a", Amount: 2},
+		func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+			p, err := b.post(ctx, tx, in)
+			if err != nil {
+				return p, err
+			}
+			_, err = tx.Exec(ctx, `DELETE FROM dedup_marker WHERE id_hash = $1`, hashOf(id))
+			return p, err
+		})
+	require.ErrorIs(t, err, dedupactivity.ErrTxEnded)
+	require.ErrorContains(t, err, "changed the marker row")
+	require.NotEqual(t, dedupactivity.OutcomeClaimed, outcome)
+	require.Zero(t, b.markers(t), "the effect deleted the marker")
+}
