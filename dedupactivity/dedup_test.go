@@ -414,6 +414,49 @@ func TestEffectErrorRollsBack(t *testing.T) {
 	}
 }
 
+// TestFailedAttemptKeepsItsConnection: an attempt that fails or panics in
+// its effect rolls its transaction back before it returns the connection to
+// the pool, which keeps it (pgxpool destroys a connection released in a
+// transaction, and the next attempt would pay for a new connection and the
+// claim's prepares). One connection: the backend is the same after.
+func TestFailedAttemptKeepsItsConnection(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	d, pool, _ := countingDeduper(t, b, nil)
+	ctx := context.Background()
+	pid := func() (p int32) {
+		require.NoError(t, pool.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&p))
+		return p
+	}
+	before := pid()
+	errOwn := errors.New("after writing")
+	for i, id := range []dedupactivity.Identity{runScoped("keeps"), {Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "keeps"}} {
+		_, outcome, err := dedupactivity.Do(ctx, d, id, Transfer{Account: "a", Amount: 1},
+			func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+				p, err := b.post(ctx, tx, in)
+				if err != nil {
+					return p, err
+				}
+				return p, errOwn
+			})
+		require.ErrorIs(t, err, errOwn)
+		require.Equal(t, dedupactivity.OutcomeEffectError, outcome)
+		require.Equal(t, before, pid(), "identity %d: the connection was kept", i)
+		require.Panics(t, func() {
+			_, _, _ = dedupactivity.Do(ctx, d, id, Transfer{Account: "a", Amount: 1},
+				func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+					if _, err := b.post(ctx, tx, in); err != nil {
+						return Posting{}, err
+					}
+					panic("effect panics after writing")
+				})
+		})
+		require.Equal(t, before, pid(), "identity %d: the connection was kept after a panic", i)
+	}
+	require.Zero(t, b.ledgerRows(t))
+	require.Zero(t, b.markers(t))
+}
+
 func TestBusinessKey(t *testing.T) {
 	t.Parallel()
 	b := setup(t, dedupactivity.Options{})
