@@ -266,6 +266,38 @@ func TestFirstStatementDeadlineIsTheEffects(t *testing.T) {
 	require.Zero(t, b.count(t, `SELECT balance FROM account WHERE id = 'a'`))
 }
 
+// TestFirstStatementDeadlineSwallowed: when the deadline comes while the
+// effect's first statement rides with the claim, the attempt is the
+// effect's (OutcomeEffectError) even if the effect swallows the statement's
+// error and returns success: the statement's failure stays the effect's,
+// not a claim timeout or a failed claim, and nothing commits.
+func TestFirstStatementDeadlineSwallowed(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	ctx := context.Background()
+	lock, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	defer lock.Rollback(ctx)
+	_, err = lock.Exec(ctx, `SELECT balance FROM account WHERE id = 'a' FOR UPDATE`)
+	require.NoError(t, err)
+
+	dctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer cancel()
+	_, outcome, err := dedupactivity.Do(dctx, b.d, runScoped("deadline-swallowed"), Transfer{Account: "a", Amount: 1},
+		func(ctx context.Context, tx pgx.Tx, in Transfer) (int64, error) {
+			var balance int64
+			failed := tx.QueryRow(ctx, `UPDATE account SET balance = balance + $2 WHERE id = $1 RETURNING balance`, in.Account, in.Amount).Scan(&balance)
+			require.Error(t, failed)
+			return 0, nil // swallowed
+		})
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	require.NotErrorIs(t, err, dedupactivity.ErrClaimTimeout)
+	require.Equal(t, dedupactivity.OutcomeEffectError, outcome)
+	require.NoError(t, lock.Rollback(ctx))
+	require.Zero(t, b.markers(t))
+	require.Zero(t, b.count(t, `SELECT balance FROM account WHERE id = 'a'`))
+}
+
 // TestConcurrentRidingDeliveries: first attempts of one run-scoped event
 // delivered at once all look, find nothing and run the effect; the first
 // marker inserted with COMMIT wins, the others fail on its key (an ERROR in
@@ -598,4 +630,41 @@ func TestRidingRowsKeptPastTheAttempt(t *testing.T) {
 	require.NoError(t, err)
 	<-done
 	require.Equal(t, int64(1), b.ledgerRows(t))
+}
+
+// TestEventAppliedBetweenTheLookAndTheKey: on a first attempt the claim
+// rides as a look, and a call without bind parameters (here COMMIT) first
+// inserts the marker's key. When another delivery committed the event
+// between the look and that call, the key's insert finds it: the call fails
+// as a duplicate's, nothing of this attempt commits (its COMMIT never
+// runs, so its first write does not commit beside the other delivery's),
+// and the attempt returns the stored result. Counted by SQL.
+func TestEventAppliedBetweenTheLookAndTheKey(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	id := runScoped("between")
+	in := Transfer{Account: "a", Amount: 7}
+	var other Posting
+	got, outcome, err := dedupactivity.Do(context.Background(), b.d, id, in, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+		// Rides: the look finds no marker.
+		if _, err := tx.Exec(ctx, `INSERT INTO ledger (account, amount) VALUES ($1, $2)`, in.Account, in.Amount); err != nil {
+			return Posting{}, err
+		}
+		// Another delivery of the event, on another connection, applies
+		// it meanwhile.
+		var o dedupactivity.Outcome
+		var err error
+		other, o, err = dedupactivity.Do(context.Background(), b.d, id, in, b.post)
+		require.NoError(t, err)
+		require.Equal(t, dedupactivity.OutcomeClaimed, o)
+		_, err = tx.Exec(ctx, "COMMIT")
+		require.Error(t, err, "the key's insert found the committed marker: COMMIT is not sent")
+		return Posting{}, err
+	})
+	require.NoError(t, err)
+	require.Equal(t, dedupactivity.OutcomeDuplicate, outcome)
+	require.Equal(t, other, got, "the other delivery's result")
+	require.Equal(t, int64(1), b.ledgerRows(t), "applied once")
+	require.Equal(t, int64(7), b.count(t, `SELECT balance FROM account WHERE id = 'a'`))
+	require.Equal(t, int64(1), b.markers(t))
 }
