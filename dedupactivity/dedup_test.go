@@ -721,3 +721,39 @@ func TestReusedActivityIDIsTakenForADuplicate(t *testing.T) {
 	require.Equal(t, []Posting{{EntryID: 1, Balance: 1}, {EntryID: 1, Balance: 1}}, got, "the second gets the first's result")
 	require.Equal(t, int64(1), b.ledgerRows(t), "the second's effect is not applied")
 }
+
+// TestClaimFirstDuplicateCallsNoEffect: a duplicate whose claim goes first
+// (a business key, through Do and through a wrapped activity) returns the
+// stored result without calling the effect at all. The calls are counted on
+// entry: the effect's own statements would fail on a duplicate's
+// transaction, so counting its writes would not see a call.
+func TestClaimFirstDuplicateCallsNoEffect(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	var calls atomic.Int64
+	effect := func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+		calls.Add(1)
+		return b.post(ctx, tx, in)
+	}
+	ctx := context.Background()
+	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "order-do"}
+	in := Transfer{Account: "a", Amount: 3}
+	first, outcome, err := dedupactivity.Do(ctx, b.d, id, in, effect)
+	require.NoError(t, err)
+	require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
+	again, outcome, err := dedupactivity.Do(ctx, b.d, id, in, effect)
+	require.NoError(t, err)
+	require.Equal(t, dedupactivity.OutcomeDuplicate, outcome)
+	require.Equal(t, first, again)
+	require.Equal(t, int64(1), calls.Load(), "Do's duplicate called no effect")
+
+	fn := dedupactivity.Wrap(b.d, effect, dedupactivity.WithBusinessKey(func(in Transfer) (string, error) { return "order-" + in.Account, nil }))
+	in = Transfer{Account: "b", Amount: 4}
+	first, err = deliver(t, "Post", fn, in)
+	require.NoError(t, err)
+	again, err = deliver(t, "Post", fn, in)
+	require.NoError(t, err)
+	require.Equal(t, first, again)
+	require.Equal(t, int64(2), calls.Load(), "the activity's duplicate called no effect")
+	require.Equal(t, int64(2), b.ledgerRows(t))
+}
