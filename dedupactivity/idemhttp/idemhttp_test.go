@@ -186,7 +186,13 @@ func TestInFlightRequestGets409AfterBoundedWait(t *testing.T) {
 	t.Parallel()
 	b := setup(t, idemhttp.Options{InFlightWait: 200 * time.Millisecond})
 	b.gate = make(chan struct{})
-	firstDone := make(chan reply)
+	// Released by a cleanup too, which runs before the server's Close: an
+	// assertion failing while the first request is held would otherwise
+	// leave Close waiting for it, and the failure would show only as the
+	// test binary's timeout.
+	release := sync.OnceFunc(func() { close(b.gate) })
+	t.Cleanup(release)
+	firstDone := make(chan reply, 1)
 	go func() { firstDone <- b.post(t, "/receipts", "k1", `{}`) }()
 	<-b.entered // the first request holds the key
 
@@ -194,7 +200,7 @@ func TestInFlightRequestGets409AfterBoundedWait(t *testing.T) {
 	require.Equal(t, http.StatusConflict, second.status)
 	require.Equal(t, "1", second.header.Get("Retry-After"))
 
-	close(b.gate)
+	release()
 	first := <-firstDone
 	require.Equal(t, http.StatusCreated, first.status)
 	third := b.post(t, "/receipts", "k1", `{}`)
