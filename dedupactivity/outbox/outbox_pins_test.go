@@ -136,33 +136,6 @@ func TestBackoffDoublesToTheCapWithJitter(t *testing.T) {
 	}
 }
 
-// TestTooEarlyIsRetried pins 425 Too Early as a retryable answer of
-// HTTPSender (docs/outbox.md: 408, 409, 425, 429 and 5xx): a message first
-// answered 425 is pending again, not dead, and the next send delivers it.
-// The real destination counts the requests.
-func TestTooEarlyIsRetried(t *testing.T) {
-	t.Parallel()
-	b := setup(t)
-	dest := newDestination(t, func(_ string, n int) int {
-		if n == 1 {
-			return http.StatusTooEarly
-		}
-		return http.StatusOK
-	})
-	keys := b.placeN(t, 1)
-	r := b.relay(t, dest, outbox.RelayConfig{MinBackoff: time.Millisecond, MaxBackoff: time.Millisecond})
-	ctx := context.Background()
-	_, err := r.RunOnce(ctx)
-	require.NoError(t, err)
-	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'pending' AND tries = 1 AND last_error LIKE '%425%'`))
-	require.Eventually(t, func() bool {
-		_, err := r.RunOnce(ctx)
-		require.NoError(t, err)
-		return b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'sent'`) == 1
-	}, 10*time.Second, 10*time.Millisecond)
-	require.Equal(t, 2, dest.count(keys[0]))
-}
-
 // TestMultipleChoicesIsNotADelivery pins the 2xx range of HTTPSender's
 // success: a 300 Multiple Choices is a 3xx, permanent (dead at once), not a
 // delivery. The destination counts one request; the row is dead, by SQL.

@@ -24,40 +24,6 @@ func (b *testBundle) waitSeconds(t *testing.T) float64 {
 	return s
 }
 
-// TestBackoffDoublesUpToTheCap: the wait after the n-th failed send is
-// MinBackoff doubled n-1 times, capped at MaxBackoff, jittered to between
-// half and all of it. The tries are set in the table, so each case is one
-// send; the bounds are seconds wide, so the test's own time does not matter.
-func TestBackoffDoublesUpToTheCap(t *testing.T) {
-	t.Parallel()
-	for _, tc := range []struct {
-		tries    int // failed sends before this one
-		min, max float64
-	}{
-		{tries: 0, min: 5, max: 10},     // 10s
-		{tries: 1, min: 10, max: 20},    // 20s
-		{tries: 3, min: 40, max: 80},    // 80s
-		{tries: 5, min: 150, max: 300},  // 320s, capped at 300s
-		{tries: 40, min: 150, max: 300}, // capped
-	} {
-		t.Run(fmt.Sprint(tc.tries), func(t *testing.T) {
-			t.Parallel()
-			b := setup(t)
-			dest := newDestination(t, func(string, int) int { return http.StatusServiceUnavailable })
-			b.placeN(t, 1)
-			_, err := b.schema.Pool.Exec(context.Background(), `UPDATE dedup_outbox SET attempts = $1, tries = $1`, tc.tries)
-			require.NoError(t, err)
-			r := b.relay(t, dest, outbox.RelayConfig{MaxAttempts: 100, MinBackoff: 10 * time.Second, MaxBackoff: 300 * time.Second})
-			res, err := r.RunOnce(context.Background())
-			require.NoError(t, err)
-			require.Equal(t, outbox.RelayResult{Retried: 1}, res)
-			w := b.waitSeconds(t)
-			require.GreaterOrEqual(t, w, tc.min-1, "at least half the backoff (less the test's own time)")
-			require.LessOrEqual(t, w, tc.max)
-		})
-	}
-}
-
 // TestHTTPSenderReadsRetryAfter: a retryable status's Retry-After header,
 // in seconds or as an HTTP-date, is the StatusError's RetryAfter; one that
 // cannot be read, or a date past, is 0.
