@@ -261,6 +261,7 @@ func TestPruneScheduleIntervalChecked(t *testing.T) {
 		ok       bool
 	}{
 		{dedupactivity.Options{}, 59 * time.Second, false},
+		{dedupactivity.Options{}, time.Minute, true}, // "at least 1m": the bound itself is accepted
 		{dedupactivity.Options{}, 24 * time.Hour, true},
 		{dedupactivity.Options{PartitionInterval: time.Hour}, 90 * time.Minute, true}, // PartitionsAhead 3: 3h ahead
 		{dedupactivity.Options{PartitionInterval: time.Hour}, 91 * time.Minute, false},
