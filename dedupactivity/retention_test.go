@@ -323,3 +323,34 @@ func TestPruneReadsALivePartitionWithoutItsLock(t *testing.T) {
 	rec.mu.Unlock()
 	require.Equal(t, int64(1), b.count(t, `SELECT count(*) FROM `+part))
 }
+
+// TestDropLeavesAPartitionItCannotLockToTheNextRun pins that an expired
+// past partition whose lock is not granted within the lock timeout (a
+// claim of its range holds it) is left to the next run, not reported as
+// an error; the next run, once the lock is free, drops it.
+func TestDropLeavesAPartitionItCannotLockToTheNextRun(t *testing.T) {
+	t.Parallel()
+	iv := time.Hour
+	opts := dedupactivity.Options{PartitionInterval: iv, PartitionsAhead: 1, Retention: time.Minute}
+	b := setup(t, opts)
+	ctx := context.Background()
+	part := pastPartition(t, b, time.Now().Truncate(iv).Add(-48*iv), iv, "\x01")
+	exists := func() int64 {
+		return b.count(t, `SELECT count(*) FROM pg_class WHERE relname = $1 AND relnamespace = current_schema()::regnamespace`, part)
+	}
+	claim, err := b.pool.Begin(ctx) // a late claim of the range, its effect running
+	require.NoError(t, err)
+	defer func() { _ = claim.Rollback(ctx) }()
+	_, err = claim.Exec(ctx, `LOCK TABLE `+part+` IN ROW EXCLUSIVE MODE`)
+	require.NoError(t, err)
+
+	n, err := b.d.Prune(ctx)
+	require.NoError(t, err, "the partition is left to the next run")
+	require.Zero(t, n)
+	require.Equal(t, int64(1), exists())
+	require.NoError(t, claim.Rollback(ctx))
+	n, err = b.d.Prune(ctx)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), n)
+	require.Zero(t, exists(), "the next run drops it")
+}
