@@ -245,7 +245,7 @@ func TestPruneFailsOnAPartitionWhoseNameDoesNotResolve(t *testing.T) {
 // TestPartitionLockWaitIsBounded pins partitionLockTimeout (500ms, "claims
 // queue behind a waiting lock request, so it is kept short"): a partition
 // ahead whose lock a claim holds fails the run after that wait, well under
-// 3s, not after a longer one.
+// 4s, not after a longer one (a wait of 5s fails it), with room for a loaded machine.
 func TestPartitionLockWaitIsBounded(t *testing.T) {
 	t.Parallel()
 	iv := time.Hour
@@ -266,7 +266,7 @@ func TestPartitionLockWaitIsBounded(t *testing.T) {
 	elapsed := time.Since(start)
 	require.Equal(t, "55P03", sqlStateOf(err), "%v", err)
 	require.GreaterOrEqual(t, elapsed, 500*time.Millisecond, "the lock is waited for")
-	require.Less(t, elapsed, 3*time.Second, "the lock is waited for 500ms, not longer")
+	require.Less(t, elapsed, 4*time.Second, "the lock is waited for 500ms, not longer")
 }
 
 // lockRecorder records the statements that lock a table.
