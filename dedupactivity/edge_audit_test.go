@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -13,6 +14,7 @@ import (
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.temporal.io/sdk/temporal"
+	"go.temporal.io/sdk/testsuite"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 	"github.com/dedupactivity/dedupactivity/internal/pgtest"
@@ -95,9 +97,11 @@ func TestErrorTypeNames(t *testing.T) {
 }
 
 // TestMisuseIsNonRetryableAtTheEdge: an identity too large to store (a
-// business key over MaxIdentityBytes) can never succeed as made, so it
-// reaches Temporal as a non-retryable DedupInvalidUsage (TestBadCalls
-// checked only its sentinel), and nothing is written.
+// business key over MaxIdentityBytes) and a delivery the partitioned
+// layout refuses (ErrInvalidOptions, a local activity) can never succeed
+// as made, so they reach Temporal as non-retryable DedupInvalidUsage
+// (TestBadCalls and TestPartitionedLayout checked only the sentinel and
+// the message), and nothing is written.
 func TestMisuseIsNonRetryableAtTheEdge(t *testing.T) {
 	t.Parallel()
 	b := setup(t, dedupactivity.Options{})
@@ -111,4 +115,23 @@ func TestMisuseIsNonRetryableAtTheEdge(t *testing.T) {
 	require.True(t, f.GetApplicationFailureInfo().GetNonRetryable())
 	require.Zero(t, b.markers(t))
 	require.Zero(t, b.ledgerRows(t))
+
+	// A local activity on the partitioned layout, which supports run-scoped
+	// identities of regular and standalone activities only (ErrInvalidOptions).
+	p := setup(t, dedupactivity.Options{PartitionInterval: time.Hour, Retention: time.Hour})
+	local := dedupactivity.Wrap(p.d, p.post)
+	var raw error
+	driver := func(ctx context.Context, in Transfer) (Posting, error) {
+		out, err := local(ctx, in)
+		raw = err
+		return out, err
+	}
+	var s testsuite.WorkflowTestSuite
+	_, err = s.NewTestActivityEnvironment().ExecuteLocalActivity(driver, Transfer{Account: "a", Amount: 1})
+	require.Error(t, err)
+	require.ErrorIs(t, raw, dedupactivity.ErrInvalidOptions)
+	f = temporal.GetDefaultFailureConverter().ErrorToFailure(raw)
+	require.Equal(t, dedupactivity.ErrTypeInvalidUsage, f.GetApplicationFailureInfo().GetType())
+	require.True(t, f.GetApplicationFailureInfo().GetNonRetryable(), "no retry of the local activity can succeed")
+	require.Zero(t, p.ledgerRows(t))
 }
