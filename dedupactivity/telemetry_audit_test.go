@@ -10,7 +10,9 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+	temporalotel "go.temporal.io/sdk/contrib/opentelemetry"
 	"go.temporal.io/sdk/temporal"
 	"go.temporal.io/sdk/testsuite"
 
@@ -173,4 +175,24 @@ func TestIdentityKindOnSpans(t *testing.T) {
 	}
 	require.Equal(t, []string{"activity", "local_activity", "standalone", "business_key"}, kinds)
 	require.Equal(t, int64(4), b.ledgerRows(t), "four events")
+}
+
+// TestSDKMetricsOfAttemptsThatFailBeforeTheClaim: through the SDK's
+// handler too (Options.TemporalMetrics), an attempt that fails before its
+// claim (the business key function's error) counts as error with its
+// error_type and records neither a claim nor an effect duration.
+func TestSDKMetricsOfAttemptsThatFailBeforeTheClaim(t *testing.T) {
+	t.Parallel()
+	b := setupTelemetry(t, dedupactivity.Options{TemporalMetrics: true})
+	reader := sdkmetric.NewManualReader()
+	h := temporalotel.NewMetricsHandler(temporalotel.MetricsHandlerOptions{
+		Meter:                sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)).Meter("temporal-sdk-go"),
+		UseMonotonicCounters: true,
+	})
+	fn := dedupactivity.Wrap(b.d, b.post, dedupactivity.WithBusinessKey(func(Transfer) (string, error) { return "", errors.New("no key") }))
+	require.Error(t, deliverWithHandler(t, h, "Post", fn, Transfer{Account: "a", Amount: 1}))
+	attempts, timers := sdkMetrics(t, reader)
+	require.Equal(t, map[string]int64{"error/_OTHER": 1}, attempts)
+	require.Zero(t, timers["dedup_claim_duration"], "nothing was claimed")
+	require.Zero(t, timers["dedup_effect_duration"])
 }
