@@ -551,3 +551,56 @@ func TestMigrateMakesADroppedTableAgain(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox`))
 }
+
+// TestEnqueueRefusesALongName pins the 100-byte bound of Message.Name
+// ([A-Za-z0-9._-]{1,100}): a derived key is "dedup-<64 hex>:<name>:<n>",
+// and only with the bound does it stay within the 255 bytes that HTTPSender
+// and idemhttp accept for an Idempotency-Key. A name of 100 bytes is
+// enqueued with a key of at most 255 bytes; one of 101 is refused with
+// ErrInvalidMessage and writes nothing (counted by SQL). A bound removed
+// would let a long name through, to go dead at every send.
+func TestEnqueueRefusesALongName(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	keys, _, err := b.place(t, "o1", []string{strings.Repeat("n", 100)}, nil)
+	require.NoError(t, err)
+	require.Len(t, keys, 1)
+	require.LessOrEqual(t, len(keys[0]), 255, "the derived key fits an Idempotency-Key")
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox`))
+
+	for _, name := range []string{strings.Repeat("n", 101), strings.Repeat("n", 200)} {
+		_, _, err := b.place(t, "long-"+name, []string{name}, nil)
+		require.ErrorIs(t, err, outbox.ErrInvalidMessage, len(name))
+		err = pgx.BeginFunc(ctx, b.schema.Pool, func(tx pgx.Tx) error {
+			_, err := b.ob.Enqueue(ctx, tx, outbox.Message{Destination: "d", Name: name, Key: "explicit-" + name[:3]})
+			return err
+		})
+		require.ErrorIs(t, err, outbox.ErrInvalidMessage, len(name))
+	}
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox`), "nothing more was written")
+}
+
+// TestEnqueueRefusesAnUnstorableDestinationWithAName pins Enqueue's own
+// check of Destination (valid UTF-8 without NUL) when Name is given: with
+// Name unset the name check, which defaults Name to Destination, hid it.
+// Without the check the INSERT fails in PostgreSQL (SQLSTATE 22021), which
+// is not ErrInvalidMessage and aborts the effect's transaction, so the
+// effect could not even go on without the message. With it the error is
+// ErrInvalidMessage and the transaction still runs statements.
+func TestEnqueueRefusesAnUnstorableDestinationWithAName(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	for _, dest := range []string{"rece\x00ipts", "rece\xffipts"} {
+		err := pgx.BeginFunc(ctx, b.schema.Pool, func(tx pgx.Tx) error {
+			_, err := b.ob.Enqueue(ctx, tx, outbox.Message{Destination: dest, Name: "receipt", Key: "k"})
+			require.ErrorIs(t, err, outbox.ErrInvalidMessage, "%q", dest)
+			_, err = tx.Exec(ctx, `INSERT INTO effect (order_id) VALUES ('still-running')`)
+			require.NoError(t, err, "the transaction was not aborted by a failed statement")
+			return errors.New("roll back")
+		})
+		require.Error(t, err)
+	}
+	require.Zero(t, b.count(t, `SELECT count(*) FROM dedup_outbox`))
+}

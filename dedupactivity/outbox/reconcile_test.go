@@ -627,3 +627,68 @@ func TestReconcileActivityResultIsBounded(t *testing.T) {
 	require.Less(t, proto.Size(p), 512*1024, "under Temporal's payload warning size, let alone its limit")
 	require.Equal(t, 700, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE checked_at IS NOT NULL`), "every one marked checked")
 }
+
+// TestReconcilerLeavesAHeldLeaseAlone pins the reconciler's condition on a
+// sending message: only one whose lease expired is asked about. A message
+// unacknowledged for long but leased right now (a relay is sending it) is
+// left as it is, so a re-queue cannot make a second relay send it while
+// the first still does. Checked by SQL, and by the checker never asked.
+func TestReconcilerLeavesAHeldLeaseAlone(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	b.placeN(t, 1)
+	_, err := b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET state = 'sending', attempts = 1, tries = 1,
+	lease_until = now() + interval '1 hour', unacked_since = now() - interval '1 hour'`)
+	require.NoError(t, err)
+	var asked atomic.Int32
+	rc, err := outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{UnackedAfter: time.Minute,
+		Checker: outbox.CheckerFunc(func(context.Context, outbox.Delivery) (bool, error) { asked.Add(1); return false, nil })})
+	require.NoError(t, err)
+	_, err = rc.Reconcile(ctx)
+	require.NoError(t, err)
+	require.Zero(t, asked.Load())
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'sending' AND attempts = 1 AND lease_until > now()`))
+}
+
+// TestHTTPCheckerRejectedOnlyWhenNotApplied pins the "applied":false of a
+// refusal: a 409 whose body says applied true is no refusal (an answer
+// that contradicts itself is unknown), whatever its status.
+func TestHTTPCheckerRejectedOnlyWhenNotApplied(t *testing.T) {
+	t.Parallel()
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(http.StatusConflict)
+		_, _ = io.WriteString(w, `{"applied":true,"status":422}`)
+	}))
+	t.Cleanup(srv.Close)
+	c := outbox.HTTPChecker{URL: func(_, key string) string { return srv.URL + "/" + key }}
+	applied, err := c.Applied(context.Background(), outbox.Delivery{Key: "k", Destination: "d"})
+	require.False(t, applied)
+	require.Error(t, err)
+	require.NotErrorIs(t, err, outbox.ErrRejected)
+}
+
+// TestReconcilerRequeueStartsTheUnackedClockAgain pins the re-queue of a
+// pending message unacknowledged past UnackedAfter: it is due at once and
+// its unacknowledged time starts again (from its next lease), so the next
+// run does not ask about it again before UnackedAfter has passed anew. The
+// test's own checker counts the questions; the row is read by SQL.
+func TestReconcilerRequeueStartsTheUnackedClockAgain(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	b.placeN(t, 1)
+	_, err := b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET attempts = 1, tries = 1, next_attempt_at = now() + interval '1 hour',
+	unacked_since = now() - interval '1 hour'`)
+	require.NoError(t, err)
+	var asked atomic.Int32
+	rc, err := outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{UnackedAfter: time.Minute,
+		Checker: outbox.CheckerFunc(func(context.Context, outbox.Delivery) (bool, error) { asked.Add(1); return false, nil })})
+	require.NoError(t, err)
+	for range 2 {
+		_, err = rc.Reconcile(ctx)
+		require.NoError(t, err)
+	}
+	require.Equal(t, int32(1), asked.Load(), "asked once, not again at the next run")
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'pending' AND next_attempt_at <= now() AND unacked_since IS NULL`))
+}
