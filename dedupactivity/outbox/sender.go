@@ -44,9 +44,10 @@ type Delivery struct {
 // Sender delivers messages. Send returns nil only when the destination has
 // accepted the message; an error wrapping ErrPermanent makes the message
 // dead at once, any other error is retried with backoff, waiting at least
-// what the error asks for (RetryAfter; a StatusError's RetryAfter). Send must pass
-// d.Key to the destination so that a re-send (after a crash between send and
-// acknowledgement, or a lost response) is applied once there.
+// what the error asks for (RetryAfter; a StatusError's RetryAfter). Send
+// must pass d.Key to the destination so that a re-send (after a crash
+// between send and acknowledgement, or a lost response) is applied once
+// there.
 type Sender interface {
 	Send(ctx context.Context, d Delivery) error
 }
@@ -144,8 +145,9 @@ type HTTPSenderConfig struct {
 // with the Idempotency-Key header, Content-Type application/json and the
 // message's headers. A 2xx response is success; 408, 409, 425, 429 and 5xx
 // responses and network errors are retried (StatusError, or the transport's
-// error), not before the response's Retry-After; other 4xx and every 3xx response are permanent (a StatusError
-// wrapping ErrPermanent). Redirects are not followed: following one would
+// error), not before the response's Retry-After (up to the relay's
+// MaxBackoff); other 4xx and every 3xx response are permanent (a
+// StatusError wrapping ErrPermanent). Redirects are not followed: following one would
 // POST the message elsewhere (307, 308) or GET another page (301 to 303)
 // and take that answer's 2xx for a delivery.
 type HTTPSender struct {
