@@ -239,63 +239,41 @@ func TestClaimTimeoutWhileRiding(t *testing.T) {
 // TestFirstStatementDeadlineIsTheEffects: the effect's first statement,
 // sent with the claim, waits on a row lock until the caller's deadline:
 // that is the effect's error (the look waits for nothing), not a claim
-// timeout, and nothing commits.
+// timeout, and nothing commits, also when the effect swallows the
+// statement's error and returns success (OutcomeEffectError either way).
 func TestFirstStatementDeadlineIsTheEffects(t *testing.T) {
 	t.Parallel()
-	b := setup(t, dedupactivity.Options{})
-	ctx := context.Background()
-	lock, err := b.pool.Begin(ctx)
-	require.NoError(t, err)
-	defer lock.Rollback(ctx)
-	_, err = lock.Exec(ctx, `SELECT balance FROM account WHERE id = 'a' FOR UPDATE`)
-	require.NoError(t, err)
+	for name, swallow := range map[string]bool{"Returned": false, "Swallowed": true} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, dedupactivity.Options{})
+			ctx := context.Background()
+			lock, err := b.pool.Begin(ctx)
+			require.NoError(t, err)
+			defer lock.Rollback(ctx)
+			_, err = lock.Exec(ctx, `SELECT balance FROM account WHERE id = 'a' FOR UPDATE`)
+			require.NoError(t, err)
 
-	dctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
-	defer cancel()
-	_, outcome, err := dedupactivity.Do(dctx, b.d, runScoped("deadline"), Transfer{Account: "a", Amount: 1},
-		func(ctx context.Context, tx pgx.Tx, in Transfer) (int64, error) {
-			var balance int64
-			err := tx.QueryRow(ctx, `UPDATE account SET balance = balance + $2 WHERE id = $1 RETURNING balance`, in.Account, in.Amount).Scan(&balance)
-			return balance, err
+			dctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+			defer cancel()
+			_, outcome, err := dedupactivity.Do(dctx, b.d, runScoped("deadline"), Transfer{Account: "a", Amount: 1},
+				func(ctx context.Context, tx pgx.Tx, in Transfer) (int64, error) {
+					var balance int64
+					err := tx.QueryRow(ctx, `UPDATE account SET balance = balance + $2 WHERE id = $1 RETURNING balance`, in.Account, in.Amount).Scan(&balance)
+					if swallow {
+						require.Error(t, err)
+						return 0, nil
+					}
+					return balance, err
+				})
+			require.ErrorIs(t, err, context.DeadlineExceeded)
+			require.NotErrorIs(t, err, dedupactivity.ErrClaimTimeout)
+			require.Equal(t, dedupactivity.OutcomeEffectError, outcome)
+			require.NoError(t, lock.Rollback(ctx))
+			require.Zero(t, b.markers(t))
+			require.Zero(t, b.count(t, `SELECT balance FROM account WHERE id = 'a'`))
 		})
-	require.ErrorIs(t, err, context.DeadlineExceeded)
-	require.NotErrorIs(t, err, dedupactivity.ErrClaimTimeout)
-	require.Equal(t, dedupactivity.OutcomeEffectError, outcome)
-	require.NoError(t, lock.Rollback(ctx))
-	require.Zero(t, b.markers(t))
-	require.Zero(t, b.count(t, `SELECT balance FROM account WHERE id = 'a'`))
-}
-
-// TestFirstStatementDeadlineSwallowed: when the deadline comes while the
-// effect's first statement rides with the claim, the attempt is the
-// effect's (OutcomeEffectError) even if the effect swallows the statement's
-// error and returns success: the statement's failure stays the effect's,
-// not a claim timeout or a failed claim, and nothing commits.
-func TestFirstStatementDeadlineSwallowed(t *testing.T) {
-	t.Parallel()
-	b := setup(t, dedupactivity.Options{})
-	ctx := context.Background()
-	lock, err := b.pool.Begin(ctx)
-	require.NoError(t, err)
-	defer lock.Rollback(ctx)
-	_, err = lock.Exec(ctx, `SELECT balance FROM account WHERE id = 'a' FOR UPDATE`)
-	require.NoError(t, err)
-
-	dctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
-	defer cancel()
-	_, outcome, err := dedupactivity.Do(dctx, b.d, runScoped("deadline-swallowed"), Transfer{Account: "a", Amount: 1},
-		func(ctx context.Context, tx pgx.Tx, in Transfer) (int64, error) {
-			var balance int64
-			failed := tx.QueryRow(ctx, `UPDATE account SET balance = balance + $2 WHERE id = $1 RETURNING balance`, in.Account, in.Amount).Scan(&balance)
-			require.Error(t, failed)
-			return 0, nil // swallowed
-		})
-	require.ErrorIs(t, err, context.DeadlineExceeded)
-	require.NotErrorIs(t, err, dedupactivity.ErrClaimTimeout)
-	require.Equal(t, dedupactivity.OutcomeEffectError, outcome)
-	require.NoError(t, lock.Rollback(ctx))
-	require.Zero(t, b.markers(t))
-	require.Zero(t, b.count(t, `SELECT balance FROM account WHERE id = 'a'`))
+	}
 }
 
 // TestConcurrentRidingDeliveries: first attempts of one run-scoped event
