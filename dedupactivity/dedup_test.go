@@ -344,14 +344,8 @@ func TestLostCompletionInTheWorkflowEnvironment(t *testing.T) {
 		}
 		return p, err
 	}
-	var s testsuite.WorkflowTestSuite
-	env := s.NewTestWorkflowEnvironment()
-	env.RegisterActivityWithOptions(driver, activity.RegisterOptions{Name: "Post"})
-	env.ExecuteWorkflow(postWorkflow, Transfer{Account: "a", Amount: 5})
-	require.True(t, env.IsWorkflowCompleted())
-	require.NoError(t, env.GetWorkflowError())
-	var p Posting
-	require.NoError(t, env.GetWorkflowResult(&p))
+	p, err := runPost(t, driver, "", Transfer{Account: "a", Amount: 5})
+	require.NoError(t, err)
 	require.Equal(t, []int32{1, 2}, attempts)
 	require.Equal(t, Posting{EntryID: 1, Balance: 5}, p, "the retry returns the stored result")
 	require.Equal(t, int64(1), calls.Load(), "the retry claimed first: the effect was called once")
@@ -464,23 +458,9 @@ func TestBusinessKey(t *testing.T) {
 	fn := dedupactivity.Wrap(b.d, b.post, key)
 
 	// Two different workflow runs deliver the same business event.
-	run := func(workflowID string) (Posting, error) {
-		var s testsuite.WorkflowTestSuite
-		env := s.NewTestWorkflowEnvironment()
-		env.RegisterActivityWithOptions(fn, activity.RegisterOptions{Name: "Post"})
-		env.SetStartWorkflowOptions(clientStartOptions(workflowID))
-		env.ExecuteWorkflow(postWorkflow, Transfer{Account: "a", Amount: 9})
-		require.True(t, env.IsWorkflowCompleted())
-		var p Posting
-		if err := env.GetWorkflowError(); err != nil {
-			return p, err
-		}
-		require.NoError(t, env.GetWorkflowResult(&p))
-		return p, nil
-	}
-	p1, err := run("wf-1")
+	p1, err := runPost(t, fn, "wf-1", Transfer{Account: "a", Amount: 9})
 	require.NoError(t, err)
-	p2, err := run("wf-2")
+	p2, err := runPost(t, fn, "wf-2", Transfer{Account: "a", Amount: 9})
 	require.NoError(t, err)
 	require.Equal(t, p1, p2)
 	require.Equal(t, int64(1), b.effects.Load())

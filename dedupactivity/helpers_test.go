@@ -113,6 +113,28 @@ func deliver[In, Out any](t *testing.T, name string, fn func(context.Context, In
 	return out, nil
 }
 
+// runPost runs fn as activity Post of postWorkflow in a new workflow test
+// environment, with workflowID when it is not empty: there a failed attempt
+// is retried as a worker retries it (attempt 2 on), unlike deliver's
+// activity environment. It returns the workflow's result or error.
+func runPost(t *testing.T, fn func(context.Context, Transfer) (Posting, error), workflowID string, in Transfer) (Posting, error) {
+	t.Helper()
+	var s testsuite.WorkflowTestSuite
+	env := s.NewTestWorkflowEnvironment()
+	env.RegisterActivityWithOptions(fn, activity.RegisterOptions{Name: "Post"})
+	if workflowID != "" {
+		env.SetStartWorkflowOptions(clientStartOptions(workflowID))
+	}
+	env.ExecuteWorkflow(postWorkflow, in)
+	require.True(t, env.IsWorkflowCompleted())
+	var p Posting
+	if err := env.GetWorkflowError(); err != nil {
+		return p, err
+	}
+	require.NoError(t, env.GetWorkflowResult(&p))
+	return p, nil
+}
+
 // hashOf is the marker's primary key for id.
 func hashOf(id dedupactivity.Identity) []byte {
 	h := id.Hash()

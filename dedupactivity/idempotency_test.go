@@ -11,7 +11,6 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.temporal.io/sdk/activity"
 	"go.temporal.io/sdk/temporal"
-	"go.temporal.io/sdk/testsuite"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 )
@@ -56,12 +55,8 @@ func TestIdempotencyKeyIsStableAcrossAttempts(t *testing.T) {
 		}
 		return p, err
 	}
-	var s testsuite.WorkflowTestSuite
-	env := s.NewTestWorkflowEnvironment()
-	env.RegisterActivityWithOptions(driver, activity.RegisterOptions{Name: "Post"})
-	env.ExecuteWorkflow(postWorkflow, Transfer{Account: "a", Amount: 3})
-	require.True(t, env.IsWorkflowCompleted())
-	require.NoError(t, env.GetWorkflowError())
+	_, err := runPost(t, driver, "", Transfer{Account: "a", Amount: 3})
+	require.NoError(t, err)
 	require.Equal(t, int64(1), b.ledgerRows(t), "applied once")
 	require.Equal(t, int32(3), info.Attempt)
 
@@ -98,16 +93,11 @@ func TestIdempotencyKeyOfABusinessKey(t *testing.T) {
 		return wrapped(ctx, in)
 	}
 	for _, workflowID := range []string{"wf-1", "wf-2"} {
-		var s testsuite.WorkflowTestSuite
-		env := s.NewTestWorkflowEnvironment()
-		env.RegisterActivityWithOptions(driver, activity.RegisterOptions{Name: "Post"})
-		env.SetStartWorkflowOptions(clientStartOptions(workflowID))
-		env.ExecuteWorkflow(postWorkflow, Transfer{Account: "a", Amount: 1})
-		require.True(t, env.IsWorkflowCompleted())
+		_, err := runPost(t, driver, workflowID, Transfer{Account: "a", Amount: 1})
 		if workflowID == "wf-1" {
-			require.Error(t, env.GetWorkflowError())
+			require.Error(t, err)
 		} else {
-			require.NoError(t, env.GetWorkflowError())
+			require.NoError(t, err)
 		}
 	}
 	require.Equal(t, int64(1), b.ledgerRows(t))

@@ -189,9 +189,8 @@ func TestRangeLeftInTheDefaultPartition(t *testing.T) {
 	b := setup(t, opts)
 	ctx := context.Background()
 	today := "dedup_marker_p" + strconv.FormatInt(time.Now().Truncate(24*time.Hour).Unix(), 10)
-	_, err := b.pool.Exec(ctx, `ALTER TABLE dedup_marker DETACH PARTITION `+today+`; DROP TABLE `+today)
-	require.NoError(t, err)
-	_, err = deliver(t, "Post", dedupactivity.Wrap(b.d, b.post), Transfer{Account: "a", Amount: 1})
+	dropPartition(t, b, today)
+	_, err := deliver(t, "Post", dedupactivity.Wrap(b.d, b.post), Transfer{Account: "a", Amount: 1})
 	require.NoError(t, err)
 	inDefault := func() int64 {
 		return b.count(t, `SELECT count(*) FROM dedup_marker WHERE tableoid = 'dedup_marker_default'::regclass`)
@@ -206,10 +205,10 @@ func TestRangeLeftInTheDefaultPartition(t *testing.T) {
 	tracer.mu.Lock()
 	require.Empty(t, tracer.errors, "no statement failed")
 	tracer.mu.Unlock()
-	require.Zero(t, b.count(t, `SELECT count(*) FROM pg_class WHERE relname = $1 AND relnamespace = current_schema()::regnamespace`, today), "the range stays in the default partition")
+	require.Zero(t, b.tables(t, today), "the range stays in the default partition")
 	require.Equal(t, int64(1), inDefault())
 	tomorrow := "dedup_marker_p" + strconv.FormatInt(time.Now().Truncate(24*time.Hour).Add(24*time.Hour).Unix(), 10)
-	require.Equal(t, int64(1), b.count(t, `SELECT count(*) FROM pg_class WHERE relname = $1 AND relnamespace = current_schema()::regnamespace`, tomorrow), "the range ahead is made")
+	require.Equal(t, int64(1), b.tables(t, tomorrow), "the range ahead is made")
 }
 
 // markerPartition is the partition that holds b's one marker.
@@ -308,6 +307,20 @@ func TestTwoPrunersAtOnce(t *testing.T) {
 // starts at lo.
 func partitionName(lo time.Time) string { return "dedup_marker_p" + strconv.FormatInt(lo.Unix(), 10) }
 
+// tables counts the tables (0 or 1) named name in the test's schema.
+func (b *testBundle) tables(t *testing.T, name string) int64 {
+	t.Helper()
+	return b.count(t, `SELECT count(*) FROM pg_class WHERE relname = $1 AND relnamespace = current_schema()::regnamespace`, name)
+}
+
+// dropPartition detaches and drops the marker table's partition name, as if
+// it had never been made.
+func dropPartition(t *testing.T, b *testBundle, name string) {
+	t.Helper()
+	_, err := b.pool.Exec(context.Background(), `ALTER TABLE dedup_marker DETACH PARTITION `+name+`; DROP TABLE `+name)
+	require.NoError(t, err)
+}
+
 // TestPartitionMadeAheadBesideALongClaim: a claim transaction that stays
 // open (a slow effect, here one that claimed first: a retry's) does not
 // keep Prune from making a partition ahead: it is attached, under a lock
@@ -321,8 +334,7 @@ func TestPartitionMadeAheadBesideALongClaim(t *testing.T) {
 	b := setup(t, dedupactivity.Options{PartitionInterval: iv, PartitionsAhead: 2})
 	ctx := context.Background()
 	ahead := partitionName(time.Now().Truncate(iv).Add(2 * iv)) // at least an hour ahead
-	_, err := b.pool.Exec(ctx, `ALTER TABLE dedup_marker DETACH PARTITION `+ahead+`; DROP TABLE `+ahead)
-	require.NoError(t, err)
+	dropPartition(t, b, ahead)
 
 	long, err := b.pool.Begin(ctx) // a claim whose effect still runs
 	require.NoError(t, err)
@@ -409,8 +421,7 @@ func TestPruneGoesOnPastAPartitionItCannotRead(t *testing.T) {
 		past.Add(time.Minute), now.Add(-1000*iv)) // the second to the default partition
 	require.NoError(t, err)
 	ahead := partitionName(now.Add(2 * iv))
-	_, err = b.pool.Exec(ctx, `ALTER TABLE dedup_marker DETACH PARTITION `+ahead+`; DROP TABLE `+ahead)
-	require.NoError(t, err)
+	dropPartition(t, b, ahead)
 
 	holder, err := b.pool.Begin(ctx)
 	require.NoError(t, err)
@@ -425,7 +436,7 @@ func TestPruneGoesOnPastAPartitionItCannotRead(t *testing.T) {
 	require.ErrorContains(t, err, "read partition "+partitionName(past))
 	require.Equal(t, "57014", sqlStateOf(err), "%v", err)
 	require.Equal(t, int64(1), n, "the default partition's expired marker")
-	require.Equal(t, int64(1), b.count(t, `SELECT count(*) FROM pg_class WHERE relname = $1 AND relnamespace = current_schema()::regnamespace`, ahead), "the partition ahead is made")
+	require.Equal(t, int64(1), b.tables(t, ahead), "the partition ahead is made")
 	require.Zero(t, b.count(t, `SELECT count(*) FROM dedup_marker_default`))
 }
 
@@ -475,8 +486,7 @@ func TestPartitionAheadMadeByAnotherWorkerMeanwhile(t *testing.T) {
 	ctx := context.Background()
 	lo := time.Now().Truncate(iv).Add(2 * iv)
 	ahead := partitionName(lo)
-	_, err := b.pool.Exec(ctx, `ALTER TABLE dedup_marker DETACH PARTITION `+ahead+`; DROP TABLE `+ahead)
-	require.NoError(t, err)
+	dropPartition(t, b, ahead)
 
 	other, err := b.pool.Begin(ctx) // the other worker, between its statements
 	require.NoError(t, err)
@@ -499,8 +509,7 @@ func TestPartitionAheadMadeByAnotherWorkerMeanwhile(t *testing.T) {
 	for round := range 5 {
 		for i := 2; i <= 3; i++ {
 			name := partitionName(time.Now().Truncate(iv).Add(time.Duration(i) * iv))
-			_, err := b.pool.Exec(ctx, `ALTER TABLE dedup_marker DETACH PARTITION `+name+`; DROP TABLE `+name)
-			require.NoError(t, err)
+			dropPartition(t, b, name)
 		}
 		errs := make(chan error, 4)
 		for range cap(errs) {
@@ -525,8 +534,7 @@ func TestMigrateBesideAClaimHoldingAPartitionsLock(t *testing.T) {
 	b := setup(t, opts)
 	ctx := context.Background()
 	next := partitionName(time.Now().Truncate(iv).Add(iv))
-	_, err := b.pool.Exec(ctx, `ALTER TABLE dedup_marker DETACH PARTITION `+next+`; DROP TABLE `+next)
-	require.NoError(t, err)
+	dropPartition(t, b, next)
 	long, err := b.pool.Begin(ctx) // a claim whose marker went to the default partition, its effect running
 	require.NoError(t, err)
 	defer func() { _ = long.Rollback(ctx) }()
@@ -604,7 +612,7 @@ func TestDropBesideARetrysResultUpdate(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, <-claimDone)
 	require.False(t, blocked, "the claim waited for the expired partition's lock")
-	require.Zero(t, b.count(t, `SELECT count(*) FROM pg_class WHERE relname = $1 AND relnamespace = current_schema()::regnamespace`, part), "the expired partition is dropped")
+	require.Zero(t, b.tables(t, part), "the expired partition is dropped")
 }
 
 // oldestPartitionStart is the start of table's oldest range partition, read
@@ -642,7 +650,7 @@ func TestPartitionBoundsReadInAnyDateStyle(t *testing.T) {
 			require.NoError(t, d.Migrate(ctx), "%s, %s", tz, style)
 			_, err = d.Prune(ctx)
 			require.NoError(t, err, "%s, %s", tz, style)
-			require.Zero(t, b.count(t, `SELECT count(*) FROM pg_class WHERE relname = $1 AND relnamespace = current_schema()::regnamespace`, partitionName(lo)),
+			require.Zero(t, b.tables(t, partitionName(lo)),
 				"%s, %s: the past partition, empty, is dropped", tz, style)
 		}
 	}

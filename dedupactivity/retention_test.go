@@ -78,8 +78,7 @@ func TestPruneGoesOnWhenTheNextPartitionCannotBeMade(t *testing.T) {
 		VALUES ('\x01', now() - interval '1000 hours', 1, now() - interval '1 hour', 'T')`) // to the default partition, expired
 	require.NoError(t, err)
 	next := partitionName(time.Now().Truncate(iv).Add(iv))
-	_, err = b.pool.Exec(ctx, `ALTER TABLE dedup_marker DETACH PARTITION `+next+`; DROP TABLE `+next)
-	require.NoError(t, err)
+	dropPartition(t, b, next)
 	long, err := b.pool.Begin(ctx) // a claim routed to the default partition, its effect running
 	require.NoError(t, err)
 	defer func() { _ = long.Rollback(ctx) }()
@@ -104,10 +103,9 @@ func TestPruneLeavesAFarAheadPartitionToTheNextRun(t *testing.T) {
 	b := setup(t, dedupactivity.Options{PartitionInterval: iv, PartitionsAhead: 2})
 	ctx := context.Background()
 	far := partitionName(time.Now().Truncate(iv).Add(2 * iv))
-	_, err := b.pool.Exec(ctx, `ALTER TABLE dedup_marker DETACH PARTITION `+far+`; DROP TABLE `+far)
-	require.NoError(t, err)
+	dropPartition(t, b, far)
 	made := func() int64 {
-		return b.count(t, `SELECT count(*) FROM pg_class WHERE relname = $1 AND relnamespace = current_schema()::regnamespace`, far)
+		return b.tables(t, far)
 	}
 	long, err := b.pool.Begin(ctx) // a claim routed to the default partition, which the attach locks
 	require.NoError(t, err)
@@ -210,9 +208,9 @@ func TestPruneGoesOnPastAnUnreadablePartitionToTheNext(t *testing.T) {
 			require.ErrorContains(t, err, "read partition "+parts[locked])
 			require.Equal(t, int64(1), n, "the other partition's marker")
 			require.NoError(t, holder.Rollback(ctx))
-			require.Zero(t, b.count(t, `SELECT count(*) FROM pg_class WHERE relname = $1 AND relnamespace = current_schema()::regnamespace`, parts[1-locked]),
+			require.Zero(t, b.tables(t, parts[1-locked]),
 				"the readable partition is dropped")
-			require.Equal(t, int64(1), b.count(t, `SELECT count(*) FROM pg_class WHERE relname = $1 AND relnamespace = current_schema()::regnamespace`, parts[locked]))
+			require.Equal(t, int64(1), b.tables(t, parts[locked]))
 		})
 	}
 }
@@ -252,8 +250,7 @@ func TestPartitionLockWaitIsBounded(t *testing.T) {
 	b := setup(t, dedupactivity.Options{PartitionInterval: iv, PartitionsAhead: 2})
 	ctx := context.Background()
 	next := partitionName(time.Now().Truncate(iv).Add(iv))
-	_, err := b.pool.Exec(ctx, `ALTER TABLE dedup_marker DETACH PARTITION `+next+`; DROP TABLE `+next)
-	require.NoError(t, err)
+	dropPartition(t, b, next)
 	long, err := b.pool.Begin(ctx) // a claim routed to the default partition, its effect running
 	require.NoError(t, err)
 	defer func() { _ = long.Rollback(ctx) }()
@@ -336,7 +333,7 @@ func TestDropLeavesAPartitionItCannotLockToTheNextRun(t *testing.T) {
 	ctx := context.Background()
 	part := pastPartition(t, b, time.Now().Truncate(iv).Add(-48*iv), iv, "\x01")
 	exists := func() int64 {
-		return b.count(t, `SELECT count(*) FROM pg_class WHERE relname = $1 AND relnamespace = current_schema()::regnamespace`, part)
+		return b.tables(t, part)
 	}
 	claim, err := b.pool.Begin(ctx) // a late claim of the range, its effect running
 	require.NoError(t, err)

@@ -639,12 +639,8 @@ func TestDuplicateNamesTheAttemptThatApplied(t *testing.T) {
 		}
 		return p, err
 	}
-	var s testsuite.WorkflowTestSuite
-	env := s.NewTestWorkflowEnvironment()
-	env.RegisterActivityWithOptions(driver, activity.RegisterOptions{Name: "Post"})
-	env.ExecuteWorkflow(postWorkflow, Transfer{Account: "a", Amount: 5})
-	require.True(t, env.IsWorkflowCompleted())
-	require.NoError(t, env.GetWorkflowError())
+	_, err := runPost(t, driver, "", Transfer{Account: "a", Amount: 5})
+	require.NoError(t, err)
 	require.Equal(t, int64(1), b.ledgerRows(t))
 	require.Equal(t, int64(1), b.count(t, `SELECT attempt FROM dedup_marker`), "attempt 1 applied the effect")
 
