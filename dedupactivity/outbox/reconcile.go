@@ -8,6 +8,7 @@ import (
 	"io"
 	"net/http"
 	"net/url"
+	"sync"
 	"time"
 	"unicode/utf8"
 
@@ -24,7 +25,10 @@ import (
 // wrapping ErrRejected when it knows the key and refused the message for
 // good (the message becomes StateRejected); and any other error when the
 // answer is unknown (the destination is down, say): the message is then
-// reported, not changed.
+// reported, not changed. An unknown answer may ask for a wait (RetryAfter;
+// a StatusError's RetryAfter), as a rate-limited status endpoint does: the
+// Reconciler then asks that destination nothing more until the wait is
+// over (see ReconcilerConfig.MaxWait).
 type Checker interface {
 	Applied(ctx context.Context, d Delivery) (bool, error)
 }
@@ -38,9 +42,10 @@ func (f CheckerFunc) Applied(ctx context.Context, d Delivery) (bool, error) { re
 // HTTPChecker asks over HTTP: a GET of URL(destination, key) answered 200
 // means applied, 404 means not applied, 409 with the JSON body
 // {"applied":false,"status":N} (N a 3xx or 4xx status) means refused for
-// good with status N (ErrRejected), anything else is unknown. No redirect
-// is followed: a 3xx is unknown, as a redirect's 200 (a login page, say)
-// would say nothing of the key. The idemhttp package's
+// good with status N (ErrRejected), anything else is unknown. An unknown
+// answer with a Retry-After header (a 429 or a 503, say) asks for that
+// wait. No redirect is followed: a 3xx is unknown, as a redirect's 200 (a
+// login page, say) would say nothing of the key. The idemhttp package's
 // Middleware.StatusHandler answers this way.
 type HTTPChecker struct {
 	// URL returns the status URL of key at destination; "" means the
@@ -105,7 +110,11 @@ func (c HTTPChecker) Applied(ctx context.Context, d Delivery) (bool, error) {
 			return false, fmt.Errorf("%w: check %s: the destination answered it %d", ErrRejected, d.Key, refusal.Status)
 		}
 	}
-	return false, fmt.Errorf("outbox: check %s: status %d", d.Key, resp.StatusCode)
+	err = fmt.Errorf("outbox: check %s: status %d", d.Key, resp.StatusCode)
+	if wait := retryAfterHeader(resp.Header.Get("Retry-After"), time.Now()); wait > 0 {
+		return false, RetryAfter(fmt.Errorf("%w (Retry-After: %s)", err, wait), wait)
+	}
+	return false, err
 }
 
 // StatusURL returns base + "/" + the path-escaped key: an HTTPChecker.URL
@@ -125,6 +134,7 @@ const (
 	DefaultUnackedAfter = 5 * time.Minute
 	DefaultMaxRequeues  = 3
 	DefaultReconcileMax = 1000
+	DefaultMaxWait      = time.Hour
 )
 
 // ReconcilerConfig configures a Reconciler.
@@ -153,6 +163,15 @@ type ReconcilerConfig struct {
 	// Defaults to DefaultReconcileMax (1000).
 	MaxMessages int
 
+	// MaxWait bounds the wait a destination's answer can ask for (see
+	// Checker): until it is over, the Reconciler asks that destination
+	// about none of its messages, in the run that was asked and in later
+	// ones, and lists it in ReconcileReport.Waiting. The wait is the
+	// Reconciler's own (each worker's), not kept in the database.
+	//
+	// Defaults to DefaultMaxWait (1h).
+	MaxWait time.Duration
+
 	// Destinations are the destinations whose MetricReconciled series, one
 	// per action, are made at zero when the Reconciler is made. PromQL's
 	// increase() and rate() see no increase in a counter series that first
@@ -180,6 +199,9 @@ type Reconciler struct {
 	tracer     trace.Tracer
 	reconciled metric.Int64Counter
 	zero       *zeroSeries
+
+	mu    sync.Mutex
+	waits map[string]time.Time // destination -> end of the wait it asked for
 }
 
 // NewReconciler returns a Reconciler for ob. cfg is checked; an error names
@@ -196,6 +218,9 @@ func NewReconciler(ob *Outbox, cfg ReconcilerConfig) (*Reconciler, error) {
 	}
 	if cfg.MaxMessages == 0 {
 		cfg.MaxMessages = DefaultReconcileMax
+	}
+	if cfg.MaxWait == 0 {
+		cfg.MaxWait = DefaultMaxWait
 	}
 	if cfg.TracerProvider == nil {
 		cfg.TracerProvider = otel.GetTracerProvider()
@@ -227,11 +252,13 @@ func NewReconciler(ob *Outbox, cfg ReconcilerConfig) (*Reconciler, error) {
 		return nil, fmt.Errorf("%w: ReconcilerConfig.MaxRequeues must be -1 (none), 0 (the default) or more, got %d", ErrInvalidConfig, cfg.MaxRequeues)
 	case cfg.MaxMessages < 1:
 		return nil, fmt.Errorf("%w: ReconcilerConfig.MaxMessages must be at least 1, got %d", ErrInvalidConfig, cfg.MaxMessages)
+	case cfg.MaxWait < 0:
+		return nil, fmt.Errorf("%w: ReconcilerConfig.MaxWait must be 0 (the default) or more, got %s", ErrInvalidConfig, cfg.MaxWait)
 	}
 	if cfg.MaxRequeues == -1 {
 		cfg.MaxRequeues = 0
 	}
-	rc := &Reconciler{ob: ob, cfg: cfg, tracer: cfg.TracerProvider.Tracer(ScopeName)}
+	rc := &Reconciler{ob: ob, cfg: cfg, tracer: cfg.TracerProvider.Tracer(ScopeName), waits: map[string]time.Time{}}
 	var err error
 	if rc.reconciled, err = cfg.MeterProvider.Meter(ScopeName).Int64Counter(MetricReconciled,
 		metric.WithDescription("Outbox messages the reconciler settled or reported."), metric.WithUnit("{message}")); err != nil {
@@ -262,6 +289,11 @@ type ReconcileReport struct {
 	Rejected []string
 	// Unresolved lists the messages left as they were, and why.
 	Unresolved []Unresolved
+	// Waiting lists the destinations this run did not ask, or stopped
+	// asking, because an answer asked to wait (see Checker), each with the
+	// end of its wait. Their messages not asked are in neither Unresolved
+	// nor Checked, and keep their place for the next run.
+	Waiting map[string]time.Time
 	// NotListed counts the messages left out of Rejected and Unresolved in
 	// the reconcile activity's result (see RegisterReconciler), which lists
 	// at most 500 of each, with each LastError and Reason cut to 256
@@ -338,7 +370,8 @@ func (rc *Reconciler) Reconcile(ctx context.Context) (rep ReconcileReport, err e
 			attrInt("dedup.outbox.reconcile.applied", rep.Applied),
 			attrInt("dedup.outbox.reconcile.requeued", rep.Requeued),
 			attrInt("dedup.outbox.reconcile.rejected", len(rep.Rejected)),
-			attrInt("dedup.outbox.reconcile.unresolved", len(rep.Unresolved)))
+			attrInt("dedup.outbox.reconcile.unresolved", len(rep.Unresolved)),
+			attrInt("dedup.outbox.reconcile.waiting", len(rep.Waiting)))
 		if err != nil {
 			span.RecordError(err)
 			span.SetStatus(codes.Error, err.Error())
@@ -346,12 +379,20 @@ func (rc *Reconciler) Reconcile(ctx context.Context) (rep ReconcileReport, err e
 		span.End()
 	}()
 	t := rc.ob.table
+	// Destinations that asked to wait are left out, so that their messages
+	// cannot take the run's MaxMessages places from the others'.
+	rep.Waiting = rc.waiting(time.Now())
+	waiting := make([]string, 0, len(rep.Waiting))
+	for dest := range rep.Waiting {
+		waiting = append(waiting, dest)
+	}
 	rows, err := rc.ob.pool.Query(ctx, `SELECT id, idempotency_key, destination, name, headers, payload, attempts, requeues, state, coalesce(last_error, '')
 FROM `+t+`
-WHERE state = 'dead'
+WHERE (state = 'dead'
    OR (state = 'pending' AND unacked_since < now() - make_interval(secs => $1))
-   OR (state = 'sending' AND lease_until < now() AND unacked_since < now() - make_interval(secs => $1))
-ORDER BY (state = 'dead' AND requeues >= $3), checked_at NULLS FIRST, id LIMIT $2`, rc.cfg.UnackedAfter.Seconds(), rc.cfg.MaxMessages, rc.cfg.MaxRequeues)
+   OR (state = 'sending' AND lease_until < now() AND unacked_since < now() - make_interval(secs => $1)))
+  AND destination <> ALL($4::text[])
+ORDER BY (state = 'dead' AND requeues >= $3), checked_at NULLS FIRST, id LIMIT $2`, rc.cfg.UnackedAfter.Seconds(), rc.cfg.MaxMessages, rc.cfg.MaxRequeues, waiting)
 	if err != nil {
 		return rep, fmt.Errorf("outbox: reconcile: %w", translate(err))
 	}
@@ -404,6 +445,11 @@ ORDER BY (state = 'dead' AND requeues >= $3), checked_at NULLS FIRST, id LIMIT $
 		if ctx.Err() != nil {
 			return rep, ctx.Err()
 		}
+		if _, ok := rep.Waiting[c.d.Destination]; ok {
+			// An earlier answer of this run asked to wait: not asked, and
+			// not marked checked, so it keeps its place.
+			continue
+		}
 		if activity.IsActivity(ctx) {
 			activity.RecordHeartbeat(ctx, rep.Checked) // each check may take the Checker's timeout
 		}
@@ -429,6 +475,12 @@ ORDER BY (state = 'dead' AND requeues >= $3), checked_at NULLS FIRST, id LIMIT $
 		}
 		if cerr != nil && !rejected {
 			unresolved("unknown: " + cerr.Error())
+			if wait := waitAsked(cerr); wait > 0 {
+				if rep.Waiting == nil {
+					rep.Waiting = map[string]time.Time{}
+				}
+				rep.Waiting[c.d.Destination] = rc.wait(c.d.Destination, time.Now().Add(min(wait, rc.cfg.MaxWait)))
+			}
 			continue
 		}
 		var sql string
@@ -472,6 +524,35 @@ WHERE id = $1 AND state = $2 AND attempts = $3`
 		}
 	}
 	return rep, nil
+}
+
+// waiting returns the destinations whose wait (see Checker) is not over at
+// now, with the end of each; nil if none. Waits that are over are
+// forgotten.
+func (rc *Reconciler) waiting(now time.Time) map[string]time.Time {
+	rc.mu.Lock()
+	defer rc.mu.Unlock()
+	var w map[string]time.Time
+	for dest, until := range rc.waits {
+		if !now.Before(until) {
+			delete(rc.waits, dest)
+			continue
+		}
+		if w == nil {
+			w = map[string]time.Time{}
+		}
+		w[dest] = until
+	}
+	return w
+}
+
+// wait records that destination asked to be asked nothing until until,
+// and returns until.
+func (rc *Reconciler) wait(destination string, until time.Time) time.Time {
+	rc.mu.Lock()
+	defer rc.mu.Unlock()
+	rc.waits[destination] = until
+	return until
 }
 
 func (rc *Reconciler) count(ctx context.Context, action, destination string) {

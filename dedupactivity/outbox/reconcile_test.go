@@ -692,3 +692,128 @@ func TestReconcilerRequeueStartsTheUnackedClockAgain(t *testing.T) {
 	require.Equal(t, int32(1), asked.Load(), "asked once, not again at the next run")
 	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'pending' AND next_attempt_at <= now() AND unacked_since IS NULL`))
 }
+
+// TestReconcilerWaitsWhenAsked: a status endpoint that answers with
+// Retry-After (a 429 here) is asked nothing more until the wait is over,
+// in that run and the next; its other messages are neither reported nor
+// marked checked, and cannot take the places of other destinations'
+// messages. A 503 without Retry-After asks for no wait.
+func TestReconcilerWaitsWhenAsked(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	rv := newReceiver(t)
+	ctx := context.Background()
+	var limitedHits, downHits atomic.Int64
+	limited := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		limitedHits.Add(1)
+		w.Header().Set("Retry-After", "120")
+		w.WriteHeader(http.StatusTooManyRequests)
+	}))
+	t.Cleanup(limited.Close)
+	down := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		downHits.Add(1)
+		w.WriteHeader(http.StatusServiceUnavailable)
+	}))
+	t.Cleanup(down.Close)
+	keys := b.placeN(t, 5)
+	_, err := b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET state = 'dead'`)
+	require.NoError(t, err)
+	_, err = b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET destination = 'limited' WHERE idempotency_key = ANY($1)`, keys[:2])
+	require.NoError(t, err)
+	_, err = b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET destination = 'down' WHERE idempotency_key = ANY($1)`, keys[2:4])
+	require.NoError(t, err)
+	checker := outbox.HTTPChecker{URL: outbox.StatusURL(map[string]string{
+		"limited": limited.URL, "down": down.URL, "receipts": rv.URL + "/idempotency-keys"})}
+	sr := tracetest.NewSpanRecorder()
+	rc, err := outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{Checker: checker,
+		TracerProvider: sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(sr))})
+	require.NoError(t, err)
+
+	asked := time.Now()
+	rep, err := rc.Reconcile(ctx)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), limitedHits.Load(), "the second of limited's messages is not asked")
+	require.Equal(t, int64(2), downHits.Load(), "a 503 without Retry-After asks for no wait")
+	require.Equal(t, 4, rep.Checked)
+	require.Equal(t, 1, rep.Requeued)
+	require.Len(t, rep.Unresolved, 3)
+	require.Equal(t, keys[0], rep.Unresolved[0].Key)
+	require.Contains(t, rep.Unresolved[0].Reason, "status 429 (Retry-After: 2m0s)")
+	require.Len(t, rep.Waiting, 1)
+	require.WithinRange(t, rep.Waiting["limited"], asked.Add(2*time.Minute), time.Now().Add(2*time.Minute))
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE destination = 'limited' AND state = 'dead' AND checked_at IS NULL`),
+		"the message not asked keeps its place")
+	spans := sr.Ended()
+	require.Len(t, spans, 1)
+	require.Subset(t, spans[0].Attributes(), []attribute.KeyValue{
+		attribute.Int("dedup.outbox.reconcile.checked", 4),
+		attribute.Int("dedup.outbox.reconcile.unresolved", 3),
+		attribute.Int("dedup.outbox.reconcile.waiting", 1),
+	})
+
+	rep, err = rc.Reconcile(ctx)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), limitedHits.Load(), "the next run waits too")
+	require.Equal(t, int64(4), downHits.Load())
+	require.Equal(t, 2, rep.Checked)
+	require.Len(t, rep.Unresolved, 2)
+	require.Contains(t, rep.Waiting, "limited")
+
+	// With one place per run, the waiting destination's messages, asked
+	// longest ago, would hold it: they are left out of the run's query.
+	one, err := outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{Checker: checker, MaxMessages: 1})
+	require.NoError(t, err)
+	rep, err = one.Reconcile(ctx)
+	require.NoError(t, err)
+	require.Equal(t, int64(2), limitedHits.Load(), "a Reconciler of its own learns the wait by asking")
+	require.Equal(t, keys[1], rep.Unresolved[0].Key, "the message never asked comes first")
+	rep, err = one.Reconcile(ctx)
+	require.NoError(t, err)
+	require.Equal(t, int64(2), limitedHits.Load())
+	require.Equal(t, int64(5), downHits.Load(), "the place goes to another destination's message")
+	require.Equal(t, 1, rep.Checked)
+}
+
+// TestReconcilerWaitEnds: a Checker's RetryAfter is a wait of at most
+// MaxWait; once it is over, the destination's messages are asked again,
+// those not asked first.
+func TestReconcilerWaitEnds(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	keys := b.placeN(t, 3)
+	_, err := b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET state = 'dead'`)
+	require.NoError(t, err)
+	var asked []string
+	checker := outbox.CheckerFunc(func(_ context.Context, d outbox.Delivery) (bool, error) {
+		asked = append(asked, d.Key)
+		if len(asked) == 1 {
+			return false, outbox.RetryAfter(errors.New("rate limited"), time.Hour)
+		}
+		return true, nil
+	})
+	_, err = outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{Checker: checker, MaxWait: -time.Second})
+	require.ErrorIs(t, err, outbox.ErrInvalidConfig)
+	const maxWait = time.Second
+	rc, err := outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{Checker: checker, MaxWait: maxWait})
+	require.NoError(t, err)
+
+	before := time.Now()
+	rep, err := rc.Reconcile(ctx)
+	require.NoError(t, err)
+	require.Equal(t, keys[:1], asked)
+	until := rep.Waiting["receipts"]
+	require.WithinRange(t, until, before.Add(maxWait), time.Now().Add(maxWait), "an hour asked, MaxWait given")
+	rep, err = rc.Reconcile(ctx)
+	require.NoError(t, err)
+	require.Len(t, asked, 1)
+	require.Zero(t, rep.Checked)
+
+	time.Sleep(time.Until(until) + 10*time.Millisecond)
+	rep, err = rc.Reconcile(ctx)
+	require.NoError(t, err)
+	require.Equal(t, []string{keys[0], keys[1], keys[2], keys[0]}, asked, "never asked first, then the one asked")
+	require.Equal(t, 3, rep.Applied)
+	require.Nil(t, rep.Waiting)
+	require.Equal(t, 3, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'applied'`))
+}

@@ -63,8 +63,9 @@ func (f SenderFunc) Send(ctx context.Context, d Delivery) error { return f(ctx, 
 // the wait is the longer of after and the relay's backoff, capped at
 // RelayConfig.MaxBackoff. A non-positive after asks for nothing. err is
 // retried as it would be without it: an err wrapping ErrPermanent still
-// makes the message dead, and so does a message's last attempt. RetryAfter
-// returns nil if err is nil.
+// makes the message dead, and so does a message's last attempt. Returned by
+// a Checker, it asks the Reconciler to ask the destination nothing until
+// then (see ReconcilerConfig.MaxWait). RetryAfter returns nil if err is nil.
 func RetryAfter(err error, after time.Duration) error {
 	if err == nil {
 		return nil
