@@ -8,7 +8,6 @@ import (
 	"io"
 	"net/http"
 	"net/url"
-	"sync"
 	"time"
 	"unicode/utf8"
 
@@ -42,9 +41,8 @@ func (f CheckerFunc) Applied(ctx context.Context, d Delivery) (bool, error) { re
 // HTTPChecker asks over HTTP: a GET of URL(destination, key) answered 200
 // means applied, 404 means not applied, 409 with the JSON body
 // {"applied":false,"status":N} (N a 3xx or 4xx status) means refused for
-// good with status N (ErrRejected), anything else is unknown. An unknown
-// answer with a Retry-After header (a 429 or a 503, say) asks for that
-// wait. No redirect is followed: a 3xx is unknown, as a redirect's 200 (a
+// good with status N (ErrRejected), anything else is unknown. A 429 or a
+// 503 with a Retry-After header asks for that wait. No redirect is followed: a 3xx is unknown, as a redirect's 200 (a
 // login page, say) would say nothing of the key. The idemhttp package's
 // Middleware.StatusHandler answers this way.
 type HTTPChecker struct {
@@ -111,7 +109,7 @@ func (c HTTPChecker) Applied(ctx context.Context, d Delivery) (bool, error) {
 		}
 	}
 	err = fmt.Errorf("outbox: check %s: status %d", d.Key, resp.StatusCode)
-	if wait := retryAfterHeader(resp.Header.Get("Retry-After"), time.Now()); wait > 0 {
+	if wait := retryAfterHeader(resp.Header.Get("Retry-After"), time.Now()); wait > 0 && serviceWide(resp.StatusCode) {
 		return false, RetryAfter(fmt.Errorf("%w (Retry-After: %s)", err, wait), wait)
 	}
 	return false, err
@@ -199,9 +197,7 @@ type Reconciler struct {
 	tracer     trace.Tracer
 	reconciled metric.Int64Counter
 	zero       *zeroSeries
-
-	mu    sync.Mutex
-	waits map[string]time.Time // destination -> end of the wait it asked for
+	waits      waits
 }
 
 // NewReconciler returns a Reconciler for ob. cfg is checked; an error names
@@ -258,7 +254,7 @@ func NewReconciler(ob *Outbox, cfg ReconcilerConfig) (*Reconciler, error) {
 	if cfg.MaxRequeues == -1 {
 		cfg.MaxRequeues = 0
 	}
-	rc := &Reconciler{ob: ob, cfg: cfg, tracer: cfg.TracerProvider.Tracer(ScopeName), waits: map[string]time.Time{}}
+	rc := &Reconciler{ob: ob, cfg: cfg, tracer: cfg.TracerProvider.Tracer(ScopeName)}
 	var err error
 	if rc.reconciled, err = cfg.MeterProvider.Meter(ScopeName).Int64Counter(MetricReconciled,
 		metric.WithDescription("Outbox messages the reconciler settled or reported."), metric.WithUnit("{message}")); err != nil {
@@ -381,18 +377,14 @@ func (rc *Reconciler) Reconcile(ctx context.Context) (rep ReconcileReport, err e
 	t := rc.ob.table
 	// Destinations that asked to wait are left out, so that their messages
 	// cannot take the run's MaxMessages places from the others'.
-	rep.Waiting = rc.waiting(time.Now())
-	waiting := make([]string, 0, len(rep.Waiting))
-	for dest := range rep.Waiting {
-		waiting = append(waiting, dest)
-	}
+	rep.Waiting = rc.waits.active(time.Now())
 	rows, err := rc.ob.pool.Query(ctx, `SELECT id, idempotency_key, destination, name, headers, payload, attempts, requeues, state, coalesce(last_error, '')
 FROM `+t+`
 WHERE (state = 'dead'
    OR (state = 'pending' AND unacked_since < now() - make_interval(secs => $1))
    OR (state = 'sending' AND lease_until < now() AND unacked_since < now() - make_interval(secs => $1)))
   AND destination <> ALL($4::text[])
-ORDER BY (state = 'dead' AND requeues >= $3), checked_at NULLS FIRST, id LIMIT $2`, rc.cfg.UnackedAfter.Seconds(), rc.cfg.MaxMessages, rc.cfg.MaxRequeues, waiting)
+ORDER BY (state = 'dead' AND requeues >= $3), checked_at NULLS FIRST, id LIMIT $2`, rc.cfg.UnackedAfter.Seconds(), rc.cfg.MaxMessages, rc.cfg.MaxRequeues, destinations(rep.Waiting))
 	if err != nil {
 		return rep, fmt.Errorf("outbox: reconcile: %w", translate(err))
 	}
@@ -479,7 +471,9 @@ ORDER BY (state = 'dead' AND requeues >= $3), checked_at NULLS FIRST, id LIMIT $
 				if rep.Waiting == nil {
 					rep.Waiting = map[string]time.Time{}
 				}
-				rep.Waiting[c.d.Destination] = rc.wait(c.d.Destination, time.Now().Add(min(wait, rc.cfg.MaxWait)))
+				until := time.Now().Add(min(wait, rc.cfg.MaxWait))
+				rc.waits.set(c.d.Destination, until)
+				rep.Waiting[c.d.Destination] = until
 			}
 			continue
 		}
@@ -524,35 +518,6 @@ WHERE id = $1 AND state = $2 AND attempts = $3`
 		}
 	}
 	return rep, nil
-}
-
-// waiting returns the destinations whose wait (see Checker) is not over at
-// now, with the end of each; nil if none. Waits that are over are
-// forgotten.
-func (rc *Reconciler) waiting(now time.Time) map[string]time.Time {
-	rc.mu.Lock()
-	defer rc.mu.Unlock()
-	var w map[string]time.Time
-	for dest, until := range rc.waits {
-		if !now.Before(until) {
-			delete(rc.waits, dest)
-			continue
-		}
-		if w == nil {
-			w = map[string]time.Time{}
-		}
-		w[dest] = until
-	}
-	return w
-}
-
-// wait records that destination asked to be asked nothing until until,
-// and returns until.
-func (rc *Reconciler) wait(destination string, until time.Time) time.Time {
-	rc.mu.Lock()
-	defer rc.mu.Unlock()
-	rc.waits[destination] = until
-	return until
 }
 
 func (rc *Reconciler) count(ctx context.Context, action, destination string) {

@@ -697,24 +697,15 @@ func TestReconcilerRequeueStartsTheUnackedClockAgain(t *testing.T) {
 // Retry-After (a 429 here) is asked nothing more until the wait is over,
 // in that run and the next; its other messages are neither reported nor
 // marked checked, and cannot take the places of other destinations'
-// messages. A 503 without Retry-After asks for no wait.
+// messages. A 409's Retry-After (a key still in progress) asks no wait of
+// the destination.
 func TestReconcilerWaitsWhenAsked(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	rv := newReceiver(t)
 	ctx := context.Background()
-	var limitedHits, downHits atomic.Int64
-	limited := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		limitedHits.Add(1)
-		w.Header().Set("Retry-After", "120")
-		w.WriteHeader(http.StatusTooManyRequests)
-	}))
-	t.Cleanup(limited.Close)
-	down := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		downHits.Add(1)
-		w.WriteHeader(http.StatusServiceUnavailable)
-	}))
-	t.Cleanup(down.Close)
+	limited, limitedHits := answering(t, http.StatusTooManyRequests, "120")
+	down, downHits := answering(t, http.StatusConflict, "120") // a key still in progress: the key's wait alone
 	keys := b.placeN(t, 5)
 	_, err := b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET state = 'dead'`)
 	require.NoError(t, err)
@@ -733,7 +724,7 @@ func TestReconcilerWaitsWhenAsked(t *testing.T) {
 	rep, err := rc.Reconcile(ctx)
 	require.NoError(t, err)
 	require.Equal(t, int64(1), limitedHits.Load(), "the second of limited's messages is not asked")
-	require.Equal(t, int64(2), downHits.Load(), "a 503 without Retry-After asks for no wait")
+	require.Equal(t, int64(2), downHits.Load(), "a 409's Retry-After asks no wait of the destination")
 	require.Equal(t, 4, rep.Checked)
 	require.Equal(t, 1, rep.Requeued)
 	require.Len(t, rep.Unresolved, 3)

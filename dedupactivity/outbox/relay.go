@@ -70,7 +70,12 @@ type RelayConfig struct {
 	// next attempt: MinBackoff doubled per failure, capped at MaxBackoff,
 	// with jitter (between half and all of it). A failure that asks for a
 	// longer wait (RetryAfter, a StatusError's Retry-After) gets it, up to
-	// MaxBackoff.
+	// MaxBackoff. So does its destination when the wait speaks for it (a
+	// RetryAfter's, or a Retry-After on a 429 or a 503): until the wait is
+	// over the relay sends it nothing, and gives the destination's messages
+	// it holds back for after the wait, their try not counted
+	// (RelayResult.Postponed). The wait is the Relay's own (each worker's),
+	// not kept in the database.
 	//
 	// Default to DefaultMinBackoff (1s) and DefaultMaxBackoff (5m).
 	MinBackoff, MaxBackoff time.Duration
@@ -174,6 +179,8 @@ type Relay struct {
 	// before its acknowledgement; an error stops the pass there, as if the
 	// relay had died.
 	afterSend func(Delivery) error
+
+	waits waits // destinations that asked for a wait
 }
 
 // NewRelay returns a Relay for ob. cfg is checked; an error names the field
@@ -209,6 +216,10 @@ type RelayResult struct {
 	// before the acknowledgement (the message was sent twice, with the same
 	// key).
 	LeaseLost int
+	// Postponed counts messages not sent because their destination asked
+	// for a wait (see RelayConfig.MinBackoff): due again after it, their
+	// try not counted.
+	Postponed int
 }
 
 // Run delivers due messages until ctx is done, then returns nil. Errors of
@@ -255,7 +266,7 @@ func (r *Relay) runOnce(ctx context.Context, progress func(RelayResult)) (RelayR
 		// it comes no later than the end the database records, whatever
 		// the two clocks say.
 		leaseEnd := time.Now().Add(r.cfg.Lease)
-		batch, err := r.claim(ctx, passStart)
+		batch, err := r.claim(ctx, passStart, destinations(r.waits.active(time.Now())))
 		if err != nil {
 			return res, err
 		}
@@ -274,6 +285,13 @@ func (r *Relay) runOnce(ctx context.Context, progress func(RelayResult)) (RelayR
 				}
 				break
 			}
+			if until, ok := r.waits.until(d.Destination, time.Now()); ok {
+				// An earlier send of the batch learned that its destination
+				// asks for a wait.
+				r.giveBack(ctx, []Delivery{d}, &until)
+				res.Postponed++
+				continue
+			}
 			if err := r.deliver(ctx, leaseEnd, d, &res); err != nil {
 				// Release the rest of the batch for other relays: their
 				// leases would otherwise have to expire.
@@ -290,11 +308,12 @@ func (r *Relay) runOnce(ctx context.Context, progress func(RelayResult)) (RelayR
 	}
 }
 
-// claim leases up to BatchSize due messages. Taking over an expired lease
-// under which no send began (its relay stopped before reaching the message)
-// gives that lease's try back; one under which a send began and recorded
-// nothing counts a stall (see begin).
-func (r *Relay) claim(ctx context.Context, passStart time.Time) ([]Delivery, error) {
+// claim leases up to BatchSize due messages, none for the destinations
+// skipped (they asked for a wait). Taking over an expired lease under which
+// no send began (its relay stopped before reaching the message) gives that
+// lease's try back; one under which a send began and recorded nothing
+// counts a stall (see begin).
+func (r *Relay) claim(ctx context.Context, passStart time.Time, skipped []string) ([]Delivery, error) {
 	t := r.ob.table
 	rows, err := r.ob.pool.Query(ctx, `UPDATE `+t+` SET state = 'sending', attempts = attempts + 1,
 	tries = tries + 1 - (state = 'sending' AND NOT in_send)::int,
@@ -303,10 +322,11 @@ func (r *Relay) claim(ctx context.Context, passStart time.Time) ([]Delivery, err
 	unacked_since = coalesce(unacked_since, clock_timestamp())
 WHERE id = ANY (ARRAY(
 	SELECT id FROM `+t+`
-	WHERE (state = 'pending' AND next_attempt_at <= $3) OR (state = 'sending' AND lease_until <= $3)
+	WHERE ((state = 'pending' AND next_attempt_at <= $3) OR (state = 'sending' AND lease_until <= $3))
+		AND destination <> ALL($4::text[])
 	ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED))
 RETURNING id, idempotency_key, destination, name, headers, payload, attempts, tries, stalls`,
-		r.cfg.BatchSize, r.cfg.Lease.Seconds(), passStart)
+		r.cfg.BatchSize, r.cfg.Lease.Seconds(), passStart, skipped)
 	if err != nil {
 		return nil, fmt.Errorf("outbox: relay: claim: %w", translate(err))
 	}
@@ -361,6 +381,9 @@ func (r *Relay) deliver(ctx context.Context, leaseEnd time.Time, d Delivery, res
 			return nil
 		}
 		sendErr = r.send(sendCtx, d)
+		if wait := destinationWait(sendErr); wait > 0 {
+			r.waits.set(d.Destination, time.Now().Add(min(wait, r.cfg.MaxBackoff)))
+		}
 	}
 	cancelSend()
 	if sendErr != nil && ctx.Err() != nil {
@@ -480,7 +503,11 @@ WHERE id = $1 AND state = 'sending' AND attempts = $2`, d.ID, d.Attempt, string(
 
 // release gives leased messages back without counting their attempt (and,
 // for a message never sent before, without marking it unacknowledged).
-func (r *Relay) release(ctx context.Context, batch []Delivery) {
+func (r *Relay) release(ctx context.Context, batch []Delivery) { r.giveBack(ctx, batch, nil) }
+
+// giveBack is release, with the messages due no sooner than notBefore if
+// it is not nil.
+func (r *Relay) giveBack(ctx context.Context, batch []Delivery, notBefore *time.Time) {
 	if len(batch) == 0 {
 		return
 	}
@@ -492,9 +519,10 @@ func (r *Relay) release(ctx context.Context, batch []Delivery) {
 		ids[i], attempts[i] = d.ID, int32(d.Attempt)
 	}
 	_, err := r.ob.pool.Exec(rctx, `UPDATE `+r.ob.table+` o SET state = 'pending', attempts = o.attempts - 1, tries = o.tries - 1, in_send = false, lease_until = NULL,
-	unacked_since = CASE WHEN o.attempts = 1 THEN NULL ELSE o.unacked_since END
+	unacked_since = CASE WHEN o.attempts = 1 THEN NULL ELSE o.unacked_since END,
+	next_attempt_at = greatest(o.next_attempt_at, $3)
 FROM unnest($1::bigint[], $2::int[]) AS l(id, attempts)
-WHERE o.id = l.id AND o.state = 'sending' AND o.attempts = l.attempts`, ids, attempts)
+WHERE o.id = l.id AND o.state = 'sending' AND o.attempts = l.attempts`, ids, attempts, notBefore)
 	if err != nil {
 		// Their leases expire instead, and another pass takes them.
 		r.cfg.Logger.Warn("outbox relay could not give leased messages back", "messages", len(batch), "error", translate(err))

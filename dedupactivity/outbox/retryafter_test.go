@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -22,6 +23,22 @@ func (b *testBundle) waitSeconds(t *testing.T) float64 {
 	require.NoError(t, b.schema.Pool.QueryRow(context.Background(),
 		`SELECT extract(epoch FROM next_attempt_at - now()) FROM dedup_outbox WHERE state = 'pending'`).Scan(&s))
 	return s
+}
+
+// answering starts a server that answers every request with status and,
+// unless retryAfter is "", that Retry-After header; hits counts requests.
+func answering(t *testing.T, status int, retryAfter string) (srv *httptest.Server, hits *atomic.Int64) {
+	t.Helper()
+	hits = new(atomic.Int64)
+	srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		hits.Add(1)
+		if retryAfter != "" {
+			w.Header().Set("Retry-After", retryAfter)
+		}
+		w.WriteHeader(status)
+	}))
+	t.Cleanup(srv.Close)
+	return srv, hits
 }
 
 // TestHTTPSenderReadsRetryAfter: a retryable status's Retry-After header,
@@ -73,11 +90,7 @@ func TestHTTPSenderReadsRetryAfter(t *testing.T) {
 func TestRelayWaitsWhatTheDestinationAsks(t *testing.T) {
 	t.Parallel()
 	busy := errors.New("busy")
-	retryAfter := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		w.Header().Set("Retry-After", "120")
-		w.WriteHeader(http.StatusTooManyRequests)
-	}))
-	t.Cleanup(retryAfter.Close)
+	retryAfter, _ := answering(t, http.StatusTooManyRequests, "120")
 	for _, tc := range []struct {
 		name     string
 		sender   func(t *testing.T) outbox.Sender
@@ -119,6 +132,98 @@ func TestRelayWaitsWhatTheDestinationAsks(t *testing.T) {
 			require.LessOrEqual(t, w, tc.top)
 		})
 	}
+}
+
+// TestRelayPausesADestinationThatAsksToWait: once a send's answer asks for
+// a wait, the relay sends that destination nothing until it is over: the
+// batch's other messages for it go back unsent, due after the wait and
+// their try not counted, and later claims leave the destination out, while
+// other destinations' messages are sent. Another relay learns the wait by
+// sending once.
+func TestRelayPausesADestinationThatAsksToWait(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	limited, limitedHits := answering(t, http.StatusTooManyRequests, "120")
+	other, otherHits := answering(t, http.StatusCreated, "")
+	keys := b.placeN(t, 6)
+	_, err := b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET destination = 'other' WHERE idempotency_key = ANY($1)`, keys[4:])
+	require.NoError(t, err)
+	sender, err := outbox.NewHTTPSender(outbox.HTTPSenderConfig{Endpoints: map[string]string{"receipts": limited.URL, "other": other.URL}})
+	require.NoError(t, err)
+	cfg := outbox.RelayConfig{Sender: sender, MaxBackoff: time.Hour}
+	r := b.relay(t, nil, cfg)
+
+	started := time.Now()
+	res, err := r.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, outbox.RelayResult{Delivered: 2, Retried: 1, Postponed: 3}, res)
+	require.Equal(t, int64(1), limitedHits.Load())
+	require.Equal(t, int64(2), otherHits.Load())
+	require.Equal(t, 3, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE idempotency_key = ANY($1) AND state = 'pending'
+	AND attempts = 0 AND tries = 0 AND unacked_since IS NULL AND next_attempt_at >= $2`, keys[1:4], started.Add(2*time.Minute)),
+		"not sent: due after the wait, as if never claimed")
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE idempotency_key = $1 AND state = 'pending'
+	AND attempts = 1 AND next_attempt_at >= $2`, keys[0], started.Add(2*time.Minute)))
+
+	_, err = b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET next_attempt_at = now() WHERE state = 'pending'`)
+	require.NoError(t, err)
+	res, err = r.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, outbox.RelayResult{}, res, "due again by hand, but the destination asked to wait")
+	require.Equal(t, int64(1), limitedHits.Load())
+
+	res, err = b.relay(t, nil, cfg).RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, outbox.RelayResult{Retried: 1, Postponed: 3}, res)
+	require.Equal(t, int64(2), limitedHits.Load())
+}
+
+// TestRelayConflictsWaitAlone: a Retry-After on a 409 (idemhttp's answer
+// for a key still in progress) is the message's wait, not its
+// destination's: the batch's other messages are sent.
+func TestRelayConflictsWaitAlone(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	conflict, hits := answering(t, http.StatusConflict, "120")
+	b.placeN(t, 3)
+	res, err := b.relay(t, nil, outbox.RelayConfig{Sender: httpSender(t, conflict.URL), MaxBackoff: time.Hour}).RunOnce(context.Background())
+	require.NoError(t, err)
+	require.Equal(t, outbox.RelayResult{Retried: 3}, res)
+	require.Equal(t, int64(3), hits.Load())
+	require.Equal(t, 3, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE attempts = 1 AND next_attempt_at > now() + interval '119 seconds'`),
+		"each waits what its answer asked")
+}
+
+// TestRelayDestinationWaitEnds: a destination's wait is at most MaxBackoff,
+// whatever it asked for; once it is over, its messages are sent.
+func TestRelayDestinationWaitEnds(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	b.placeN(t, 4)
+	var sends atomic.Int64
+	const maxBackoff = 500 * time.Millisecond
+	r := b.relay(t, nil, outbox.RelayConfig{MinBackoff: 10 * time.Millisecond, MaxBackoff: maxBackoff,
+		Sender: outbox.SenderFunc(func(context.Context, outbox.Delivery) error {
+			if sends.Add(1) == 1 {
+				return outbox.RetryAfter(errors.New("rate limited"), time.Hour)
+			}
+			return nil
+		})})
+	started := time.Now()
+	res, err := r.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, outbox.RelayResult{Retried: 1, Postponed: 3}, res)
+	var latest time.Time
+	require.NoError(t, b.schema.Pool.QueryRow(ctx, `SELECT max(next_attempt_at) FROM dedup_outbox`).Scan(&latest))
+	require.WithinRange(t, latest, started.Add(maxBackoff-50*time.Millisecond), time.Now().Add(maxBackoff), "an hour asked, MaxBackoff given")
+
+	time.Sleep(time.Until(latest) + 50*time.Millisecond)
+	res, err = r.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, outbox.RelayResult{Delivered: 4}, res)
+	require.Equal(t, int64(5), sends.Load())
 }
 
 // ExampleRetryAfter: a Sender for an API that says how long to wait.

@@ -12,6 +12,7 @@ import (
 	"net/url"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 	"unicode/utf8"
 
@@ -63,9 +64,11 @@ func (f SenderFunc) Send(ctx context.Context, d Delivery) error { return f(ctx, 
 // the wait is the longer of after and the relay's backoff, capped at
 // RelayConfig.MaxBackoff. A non-positive after asks for nothing. err is
 // retried as it would be without it: an err wrapping ErrPermanent still
-// makes the message dead, and so does a message's last attempt. Returned by
-// a Checker, it asks the Reconciler to ask the destination nothing until
-// then (see ReconcilerConfig.MaxWait). RetryAfter returns nil if err is nil.
+// makes the message dead, and so does a message's last attempt. The wait
+// is the destination's too: the relay sends it nothing meanwhile (see
+// RelayConfig.MinBackoff). Returned by a Checker, it asks the Reconciler to
+// ask the destination nothing until then (see ReconcilerConfig.MaxWait).
+// RetryAfter returns nil if err is nil.
 func RetryAfter(err error, after time.Duration) error {
 	if err == nil {
 		return nil
@@ -92,6 +95,83 @@ func waitAsked(err error) time.Duration {
 		return w.retryAfter()
 	}
 	return 0
+}
+
+// destinationWait is the wait err asks of its whole destination: a
+// RetryAfter's, or a StatusError's on a 429 or a 503, whose Retry-After
+// speaks for the service (RFC 9110, section 10.2.3; RFC 6585); 0 if none.
+// A Retry-After on another status (idemhttp's 409 for a key still in
+// progress) asks a wait of that message alone.
+func destinationWait(err error) time.Duration {
+	var w interface{ retryAfter() time.Duration }
+	if !errors.As(err, &w) {
+		return 0
+	}
+	if se, ok := w.(*StatusError); ok && !serviceWide(se.StatusCode) {
+		return 0
+	}
+	return w.retryAfter()
+}
+
+// serviceWide says whether a Retry-After on status speaks for the whole
+// service: 429 Too Many Requests and 503 Service Unavailable.
+func serviceWide(status int) bool {
+	return status == http.StatusTooManyRequests || status == http.StatusServiceUnavailable
+}
+
+// waits holds, per destination, the end of the wait its last answer asked
+// for (RetryAfter): a Relay sends it nothing, a Reconciler asks it nothing,
+// until then. Its zero value holds none; it is safe for concurrent use.
+type waits struct {
+	mu sync.Mutex
+	m  map[string]time.Time
+}
+
+// active returns the destinations whose wait is not over at now, with the
+// end of each; nil if none. Waits that are over are forgotten.
+func (w *waits) active(now time.Time) map[string]time.Time {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	var out map[string]time.Time
+	for dest, until := range w.m {
+		if !now.Before(until) {
+			delete(w.m, dest)
+			continue
+		}
+		if out == nil {
+			out = map[string]time.Time{}
+		}
+		out[dest] = until
+	}
+	return out
+}
+
+// destinations returns the keys of m, never nil: a query's
+// "destination <> ALL($n)" with a NULL array would match no row.
+func destinations(m map[string]time.Time) []string {
+	out := make([]string, 0, len(m))
+	for dest := range m {
+		out = append(out, dest)
+	}
+	return out
+}
+
+// until returns the end of destination's wait if it is not over at now.
+func (w *waits) until(destination string, now time.Time) (time.Time, bool) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	until, ok := w.m[destination]
+	return until, ok && now.Before(until)
+}
+
+// set records that destination asked for nothing until until.
+func (w *waits) set(destination string, until time.Time) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.m == nil {
+		w.m = map[string]time.Time{}
+	}
+	w.m[destination] = until
 }
 
 // retryAfterHeader reads a Retry-After value (RFC 9110, section 10.2.3):
@@ -193,7 +273,8 @@ type StatusError struct {
 	// RetryAfter is the wait the response's Retry-After header asks for
 	// (delay-seconds or an HTTP-date), 0 without one or with one that
 	// cannot be read. The relay waits at least this long before the next
-	// send of a retryable status, up to RelayConfig.MaxBackoff.
+	// send of a retryable status, up to RelayConfig.MaxBackoff; on a 429
+	// or a 503 it sends the destination nothing meanwhile.
 	RetryAfter time.Duration
 }
 
