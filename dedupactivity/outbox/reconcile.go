@@ -25,7 +25,8 @@ import (
 // good (the message becomes StateRejected); and any other error when the
 // answer is unknown (the destination is down, say): the message is then
 // reported, not changed. An unknown answer may ask for a wait (RetryAfter;
-// a StatusError's RetryAfter), as a rate-limited status endpoint does: the
+// a StatusError's RetryAfter on a 429 or a 503), as a rate-limited status
+// endpoint does: the
 // Reconciler then asks that destination nothing more until the wait is
 // over (see ReconcilerConfig.MaxWait).
 type Checker interface {
@@ -467,7 +468,7 @@ ORDER BY (state = 'dead' AND requeues >= $3), checked_at NULLS FIRST, id LIMIT $
 		}
 		if cerr != nil && !rejected {
 			unresolved("unknown: " + cerr.Error())
-			if wait := waitAsked(cerr); wait > 0 {
+			if wait := destinationWait(cerr); wait > 0 {
 				if rep.Waiting == nil {
 					rep.Waiting = map[string]time.Time{}
 				}

@@ -285,10 +285,10 @@ func (r *Relay) runOnce(ctx context.Context, progress func(RelayResult)) (RelayR
 				}
 				break
 			}
-			if until, ok := r.waits.until(d.Destination, time.Now()); ok {
+			if _, ok := r.waits.until(d.Destination, time.Now()); ok {
 				// An earlier send of the batch learned that its destination
-				// asks for a wait.
-				r.giveBack(ctx, []Delivery{d}, &until)
+				// asks for a wait: given back, due after it.
+				r.release(ctx, []Delivery{d})
 				res.Postponed++
 				continue
 			}
@@ -502,12 +502,13 @@ WHERE id = $1 AND state = 'sending' AND attempts = $2`, d.ID, d.Attempt, string(
 }
 
 // release gives leased messages back without counting their attempt (and,
-// for a message never sent before, without marking it unacknowledged).
-func (r *Relay) release(ctx context.Context, batch []Delivery) { r.giveBack(ctx, batch, nil) }
-
-// giveBack is release, with the messages due no sooner than notBefore if
-// it is not nil.
-func (r *Relay) giveBack(ctx context.Context, batch []Delivery, notBefore *time.Time) {
+// for a message never sent before, without marking it unacknowledged). A
+// message whose destination asked this relay for a wait is due no sooner
+// than its end, whichever path gives it back, so that other relays, which
+// do not know the wait, do not send it meanwhile. The end is turned into
+// the database's clock (the claims compare next_attempt_at with it), not
+// written as this process's.
+func (r *Relay) release(ctx context.Context, batch []Delivery) {
 	if len(batch) == 0 {
 		return
 	}
@@ -515,14 +516,19 @@ func (r *Relay) giveBack(ctx context.Context, batch []Delivery, notBefore *time.
 	defer cancel()
 	ids := make([]int64, len(batch))
 	attempts := make([]int32, len(batch))
+	waits := make([]float64, len(batch)) // seconds left of the destination's wait; 0 for none
+	now := time.Now()
 	for i, d := range batch {
 		ids[i], attempts[i] = d.ID, int32(d.Attempt)
+		if until, ok := r.waits.until(d.Destination, now); ok {
+			waits[i] = until.Sub(now).Seconds()
+		}
 	}
 	_, err := r.ob.pool.Exec(rctx, `UPDATE `+r.ob.table+` o SET state = 'pending', attempts = o.attempts - 1, tries = o.tries - 1, in_send = false, lease_until = NULL,
 	unacked_since = CASE WHEN o.attempts = 1 THEN NULL ELSE o.unacked_since END,
-	next_attempt_at = greatest(o.next_attempt_at, $3)
-FROM unnest($1::bigint[], $2::int[]) AS l(id, attempts)
-WHERE o.id = l.id AND o.state = 'sending' AND o.attempts = l.attempts`, ids, attempts, notBefore)
+	next_attempt_at = greatest(o.next_attempt_at, clock_timestamp() + make_interval(secs => nullif(l.wait, 0)))
+FROM unnest($1::bigint[], $2::int[], $3::float8[]) AS l(id, attempts, wait)
+WHERE o.id = l.id AND o.state = 'sending' AND o.attempts = l.attempts`, ids, attempts, waits)
 	if err != nil {
 		// Their leases expire instead, and another pass takes them.
 		r.cfg.Logger.Warn("outbox relay could not give leased messages back", "messages", len(batch), "error", translate(err))

@@ -168,10 +168,13 @@ func TestRelayPausesADestinationThatAsksToWait(t *testing.T) {
 
 	_, err = b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET next_attempt_at = now() WHERE state = 'pending'`)
 	require.NoError(t, err)
+	_, err = b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET state = 'pending', next_attempt_at = now() WHERE idempotency_key = $1`, keys[5])
+	require.NoError(t, err)
 	res, err = r.RunOnce(ctx)
 	require.NoError(t, err)
-	require.Equal(t, outbox.RelayResult{}, res, "due again by hand, but the destination asked to wait")
+	require.Equal(t, outbox.RelayResult{Delivered: 1}, res, "due again by hand, the waiting destination's are left out, the other's is sent")
 	require.Equal(t, int64(1), limitedHits.Load())
+	require.Equal(t, int64(3), otherHits.Load())
 
 	res, err = b.relay(t, nil, cfg).RunOnce(ctx)
 	require.NoError(t, err)
@@ -242,3 +245,28 @@ func ExampleRetryAfter() {
 
 // rateLimited stands for a destination's answer.
 func rateLimited(outbox.Delivery) (time.Duration, bool) { return 30 * time.Second, true }
+
+// TestRelayStoppedPassKeepsTheWait: a pass that stops gives its batch back
+// unsent; the messages of a destination that asked for a wait go back due
+// after it, as postponed ones do, so that another relay, which does not
+// know the wait, does not send them meanwhile.
+func TestRelayStoppedPassKeepsTheWait(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.placeN(t, 3)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var sends atomic.Int64
+	r := b.relay(t, nil, outbox.RelayConfig{MaxBackoff: time.Hour,
+		Sender: outbox.SenderFunc(func(context.Context, outbox.Delivery) error {
+			sends.Add(1)
+			cancel() // the relay stops as the answer comes
+			return outbox.RetryAfter(errors.New("rate limited"), 2*time.Minute)
+		})})
+	started := time.Now()
+	_, err := r.RunOnce(ctx)
+	require.ErrorIs(t, err, context.Canceled)
+	require.Equal(t, int64(1), sends.Load())
+	require.Equal(t, 3, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'pending' AND attempts = 0
+	AND next_attempt_at >= $1`, started.Add(2*time.Minute)), "given back due after the destination's wait")
+}

@@ -119,9 +119,10 @@ func serviceWide(status int) bool {
 	return status == http.StatusTooManyRequests || status == http.StatusServiceUnavailable
 }
 
-// waits holds, per destination, the end of the wait its last answer asked
-// for (RetryAfter): a Relay sends it nothing, a Reconciler asks it nothing,
-// until then. Its zero value holds none; it is safe for concurrent use.
+// waits holds, per destination, the end of the wait its answers asked for
+// (RetryAfter; the latest end, while it is not over): a Relay sends it
+// nothing, a Reconciler asks it nothing, until then. Its zero value holds
+// none; it is safe for concurrent use.
 type waits struct {
 	mu sync.Mutex
 	m  map[string]time.Time
@@ -164,12 +165,18 @@ func (w *waits) until(destination string, now time.Time) (time.Time, bool) {
 	return until, ok && now.Before(until)
 }
 
-// set records that destination asked for nothing until until.
+// set records that destination asked for nothing until until. A wait
+// already recorded that ends later stays: answers to sends made at once
+// (concurrent passes of one Relay) come back in any order, and a shorter
+// one is no sign that the longer is over.
 func (w *waits) set(destination string, until time.Time) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if w.m == nil {
 		w.m = map[string]time.Time{}
+	}
+	if cur, ok := w.m[destination]; ok && cur.After(until) {
+		return
 	}
 	w.m[destination] = until
 }
