@@ -34,6 +34,27 @@ func newCPUMeter(dataDir string) cpuMeter {
 	return cpuMeter{postmaster: pid}
 }
 
+// machineBusy returns the CPU time every process of the machine has used
+// since boot, from /proc/stat (all CPUs' user, nice, system, irq, softirq
+// and steal time); -1 when unknown.
+func machineBusy() time.Duration {
+	raw, err := os.ReadFile("/proc/stat")
+	if err != nil {
+		return -1
+	}
+	line, _, _ := strings.Cut(string(raw), "\n")
+	f := strings.Fields(line) // cpu user nice system idle iowait irq softirq steal ...
+	if len(f) < 9 || f[0] != "cpu" {
+		return -1
+	}
+	var ticks int64
+	for _, i := range []int{1, 2, 3, 6, 7, 8} {
+		n, _ := strconv.ParseInt(f[i], 10, 64)
+		ticks += n
+	}
+	return time.Duration(ticks) * time.Second / userHZ
+}
+
 // userHZ is the unit of the CPU times in /proc/<pid>/stat on Linux.
 const userHZ = 100
 

@@ -110,10 +110,7 @@ func (r *report) write() error {
 	}
 
 	if r.temporal.bare > 0 {
-		rs := r.temporal.ratios
-		fmt.Fprintf(&b, "\n## On a Temporal dev server\n\n%d activities per measurement, 8 workflows fanning out, %d ABBA rounds, 64 concurrent activity slots, 8 activity and 8 workflow task pollers.\n\n| activity | activities/s |\n|---|---:|\n| unwrapped (effect in a transaction) | %.0f |\n| wrapped by dedupactivity | %.0f (%.2fx) |\n\nWrapped/unwrapped by round: median %.2fx, range %.2fx to %.2fx.\n",
-			r.temporal.activities, r.temporal.rounds, r.temporal.bare, r.temporal.wrapped, r.temporal.wrapped/r.temporal.bare,
-			medianOf(rs), rs[0], rs[len(rs)-1])
+		b.WriteString(r.temporal.markdown())
 	}
 
 	r.targets(&b)
@@ -294,4 +291,30 @@ func medianOf(sorted []float64) float64 {
 		return sorted[n/2]
 	}
 	return (sorted[n/2-1] + sorted[n/2]) / 2
+}
+
+// markdown is the Temporal measurement's section of bench.md.
+func (t temporalResult) markdown() string {
+	var b strings.Builder
+	rs := t.ratios
+	fmt.Fprintf(&b, "\n## On a Temporal dev server\n\n%d activities per measurement, 8 workflows fanning out, %d ABBA rounds, 64 concurrent activity slots, 8 activity and 8 workflow task pollers.\n\n", t.activities, t.rounds)
+	b.WriteString("| activity | activities/s | CPU per activity: PostgreSQL | this process (worker, client) | the rest (dev server) | total | history events per activity |\n|---|---:|---:|---:|---:|---:|---:|\n")
+	for _, row := range []struct {
+		name, ty string
+		rate     float64
+	}{{"unwrapped (effect in a transaction)", "Bare", t.bare}, {"wrapped by dedupactivity", "Wrapped", t.wrapped}} {
+		rate := fmt.Sprintf("%.0f", row.rate)
+		if row.ty == "Wrapped" {
+			rate += fmt.Sprintf(" (%.2fx)", t.wrapped/t.bare)
+		}
+		server, client, rest, total, events := "", "", "", "", ""
+		if c := t.cpu[row.ty]; c != nil && c.activities > 0 {
+			s, cl, r := c.perActivity()
+			server, client, rest, total = fmt.Sprintf("%.0f µs", s), fmt.Sprintf("%.0f µs", cl), fmt.Sprintf("%.0f µs", r), fmt.Sprintf("%.0f µs", s+cl+r)
+			events = fmt.Sprintf("%.2f", float64(c.events)/float64(c.activities))
+		}
+		fmt.Fprintf(&b, "| %s | %s | %s | %s | %s | %s | %s |\n", row.name, rate, server, client, rest, total, events)
+	}
+	fmt.Fprintf(&b, "\nWrapped/unwrapped by round: median %.2fx, range %.2fx to %.2fx.\n", medianOf(rs), rs[0], rs[len(rs)-1])
+	return b.String()
 }

@@ -110,3 +110,22 @@ func TestRoundRatiosMedian(t *testing.T) {
 		t.Errorf("medianOf(1, 2, 3) = %v, want 2", got)
 	}
 }
+
+func TestTemporalSection(t *testing.T) {
+	t.Parallel()
+	tr := temporalResult{bare: 400, wrapped: 392, ratios: []float64{0.9, 0.98, 1.1}, activities: 400, rounds: 3,
+		cpu: map[string]*temporalCPU{
+			"Bare":    {server: 300 * time.Millisecond, client: 900 * time.Millisecond, rest: 3 * time.Second, activities: 1000, events: 3880},
+			"Wrapped": {server: 350 * time.Millisecond, client: 920 * time.Millisecond, rest: 3 * time.Second, activities: 1000, events: 3900},
+		}}
+	out := tr.markdown()
+	for _, want := range []string{
+		"| unwrapped (effect in a transaction) | 400 | 300 µs | 900 µs | 3000 µs | 4200 µs | 3.88 |",
+		"| wrapped by dedupactivity | 392 (0.98x) | 350 µs | 920 µs | 3000 µs | 4270 µs | 3.90 |",
+		"median 0.98x, range 0.90x to 1.10x",
+	} {
+		if !strings.Contains(out, want) {
+			t.Errorf("missing %q in:\n%s", want, out)
+		}
+	}
+}

@@ -22,6 +22,23 @@ type temporalResult struct {
 	ratios        []float64 // wrapped/bare per ABBA round, sorted
 	activities    int
 	rounds        int
+	// CPU time over all rounds, by activity type: PostgreSQL's, this
+	// process's (the worker and the client starting the workflows), and
+	// the rest of the machine's (the dev server's, mostly).
+	cpu map[string]*temporalCPU
+}
+
+// temporalCPU is the CPU time the measurements of one activity type used.
+type temporalCPU struct {
+	server, client, rest time.Duration
+	activities           int
+	events               int64 // in the workflows' histories
+}
+
+// perActivity returns the CPU time per activity, in µs.
+func (c *temporalCPU) perActivity() (server, client, rest float64) {
+	n := float64(max(c.activities, 1))
+	return c.server.Seconds() * 1e6 / n, c.client.Seconds() * 1e6 / n, c.rest.Seconds() * 1e6 / n
 }
 
 // fanOut runs n activities of the given type at once and waits for all.
@@ -42,8 +59,8 @@ func fanOut(ctx workflow.Context, activityType, prefix string, n int) error {
 
 // temporalThroughput compares, on a real dev server, a wrapped activity with
 // the same effect unwrapped: ABBA-interleaved rounds of total activities.
-func temporalThroughput(ctx context.Context, url string, total, rounds int, effect dedupactivity.EffectFunc[posting, receipt]) (temporalResult, error) {
-	res := temporalResult{activities: total, rounds: rounds}
+func temporalThroughput(ctx context.Context, url string, meter cpuMeter, total, rounds int, effect dedupactivity.EffectFunc[posting, receipt]) (temporalResult, error) {
+	res := temporalResult{activities: total, rounds: rounds, cpu: map[string]*temporalCPU{"Bare": {}, "Wrapped": {}}}
 	srv, err := temporaltest.Start(ctx, temporaltest.Options{})
 	if err != nil {
 		return res, err
@@ -92,6 +109,8 @@ func temporalThroughput(ctx context.Context, url string, total, rounds int, effe
 
 	const workflows = 8
 	measure := func(activityType string, round int) (time.Duration, error) {
+		server0, client0 := meter.read()
+		busy0 := machineBusy()
 		t0 := time.Now()
 		runs := make([]client.WorkflowRun, workflows)
 		for i := range workflows {
@@ -107,7 +126,23 @@ func temporalThroughput(ctx context.Context, url string, total, rounds int, effe
 				return 0, err
 			}
 		}
-		return time.Since(t0), nil
+		dt := time.Since(t0)
+		server1, client1 := meter.read()
+		busy1 := machineBusy()
+		if tc := res.cpu[activityType]; round >= 0 && tc != nil && server0 >= 0 && busy0 >= 0 {
+			tc.server += server1 - server0
+			tc.client += client1 - client0
+			tc.rest += (busy1 - busy0) - (server1 - server0) - (client1 - client0)
+			tc.activities += total / workflows * workflows
+			for _, r := range runs {
+				desc, err := c.DescribeWorkflow(ctx, r.GetID(), r.GetRunID())
+				if err != nil {
+					return 0, err
+				}
+				tc.events += desc.RawResponse.GetWorkflowExecutionInfo().GetHistoryLength()
+			}
+		}
+		return dt, nil
 	}
 	for _, ty := range []string{"Bare", "Wrapped"} { // warm up
 		if _, err := measure(ty, -1); err != nil {
