@@ -703,7 +703,8 @@ func TestReusedActivityIDIsTakenForADuplicate(t *testing.T) {
 }
 
 // TestClaimFirstDuplicateCallsNoEffect: a duplicate whose claim goes first
-// (a business key, through Do and through a wrapped activity) returns the
+// (a business key, through Do and through a wrapped activity; a local
+// activity run again) returns the
 // stored result without calling the effect at all. The calls are counted on
 // entry: the effect's own statements would fail on a duplicate's
 // transaction, so counting its writes would not see a call.
@@ -736,4 +737,20 @@ func TestClaimFirstDuplicateCallsNoEffect(t *testing.T) {
 	require.Equal(t, first, again)
 	require.Equal(t, int64(2), calls.Load(), "the activity's duplicate called no effect")
 	require.Equal(t, int64(2), b.ledgerRows(t))
+
+	// A local activity run again (a new workflow task runs it from attempt
+	// 1; here a new test environment, with the same IDs) claims first too.
+	local := dedupactivity.Wrap(b.d, effect)
+	in = Transfer{Account: "a", Amount: 5}
+	var s testsuite.WorkflowTestSuite
+	v, err := s.NewTestActivityEnvironment().ExecuteLocalActivity(local, in)
+	require.NoError(t, err)
+	var localFirst, localAgain Posting
+	require.NoError(t, v.Get(&localFirst))
+	v, err = s.NewTestActivityEnvironment().ExecuteLocalActivity(local, in)
+	require.NoError(t, err)
+	require.NoError(t, v.Get(&localAgain))
+	require.Equal(t, localFirst, localAgain)
+	require.Equal(t, int64(3), calls.Load(), "the local activity's duplicate called no effect")
+	require.Equal(t, int64(3), b.ledgerRows(t))
 }
