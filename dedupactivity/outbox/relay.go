@@ -80,7 +80,8 @@ type RelayConfig struct {
 	// Default to DefaultMinBackoff (1s) and DefaultMaxBackoff (5m).
 	MinBackoff, MaxBackoff time.Duration
 
-	// Logger receives Run's pass errors.
+	// Logger receives Run's pass errors, and a line each time a
+	// destination asks the relay to wait (see MinBackoff).
 	//
 	// Defaults to slog.Default().
 	Logger *slog.Logger
@@ -382,7 +383,10 @@ func (r *Relay) deliver(ctx context.Context, leaseEnd time.Time, d Delivery, res
 		}
 		sendErr = r.send(sendCtx, d)
 		if wait := destinationWait(sendErr); wait > 0 {
-			r.waits.set(d.Destination, time.Now().Add(min(wait, r.cfg.MaxBackoff)))
+			until := time.Now().Add(min(wait, r.cfg.MaxBackoff))
+			r.waits.set(d.Destination, until)
+			r.cfg.Logger.Info("outbox destination asked to wait: nothing is sent to it until then",
+				"destination", d.Destination, "until", until.UTC().Format(time.RFC3339), "asked", wait.String(), "key", d.Key)
 		}
 	}
 	cancelSend()

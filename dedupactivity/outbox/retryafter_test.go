@@ -4,8 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -151,7 +153,8 @@ func TestRelayPausesADestinationThatAsksToWait(t *testing.T) {
 	require.NoError(t, err)
 	sender, err := outbox.NewHTTPSender(outbox.HTTPSenderConfig{Endpoints: map[string]string{"receipts": limited.URL, "other": other.URL}})
 	require.NoError(t, err)
-	cfg := outbox.RelayConfig{Sender: sender, MaxBackoff: time.Hour}
+	var logged strings.Builder
+	cfg := outbox.RelayConfig{Sender: sender, MaxBackoff: time.Hour, Logger: slog.New(slog.NewTextHandler(&logged, nil))}
 	r := b.relay(t, nil, cfg)
 
 	started := time.Now()
@@ -160,6 +163,9 @@ func TestRelayPausesADestinationThatAsksToWait(t *testing.T) {
 	require.Equal(t, outbox.RelayResult{Delivered: 2, Retried: 1, Postponed: 3}, res)
 	require.Equal(t, int64(1), limitedHits.Load())
 	require.Equal(t, int64(2), otherHits.Load())
+	require.Equal(t, 1, strings.Count(logged.String(), "outbox destination asked to wait"), logged.String())
+	require.Contains(t, logged.String(), "destination=receipts")
+	require.Contains(t, logged.String(), "asked=2m0s")
 	require.Equal(t, 3, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE idempotency_key = ANY($1) AND state = 'pending'
 	AND attempts = 0 AND tries = 0 AND unacked_since IS NULL AND next_attempt_at >= $2`, keys[1:4], started.Add(2*time.Minute)),
 		"not sent: due after the wait, as if never claimed")
