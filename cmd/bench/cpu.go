@@ -34,9 +34,9 @@ func newCPUMeter(dataDir string) cpuMeter {
 	return cpuMeter{postmaster: pid}
 }
 
-// machineBusy returns the CPU time every process of the machine has used
-// since boot, from /proc/stat (all CPUs' user, nice, system, irq, softirq
-// and steal time); -1 when unknown.
+// machineBusy returns the CPU time the machine has used since boot, from
+// /proc/stat (all CPUs' user, nice, system, irq and softirq time; not
+// steal, which other guests of the host used); -1 when unknown.
 func machineBusy() time.Duration {
 	raw, err := os.ReadFile("/proc/stat")
 	if err != nil {
@@ -44,11 +44,11 @@ func machineBusy() time.Duration {
 	}
 	line, _, _ := strings.Cut(string(raw), "\n")
 	f := strings.Fields(line) // cpu user nice system idle iowait irq softirq steal ...
-	if len(f) < 9 || f[0] != "cpu" {
+	if len(f) < 8 || f[0] != "cpu" {
 		return -1
 	}
 	var ticks int64
-	for _, i := range []int{1, 2, 3, 6, 7, 8} {
+	for _, i := range []int{1, 2, 3, 6, 7} {
 		n, _ := strconv.ParseInt(f[i], 10, 64)
 		ticks += n
 	}

@@ -204,7 +204,8 @@ func run() error {
 	if cfg.temporal {
 		// Before the large-table and pruning measurements, whose writes
 		// (10M markers, 1M deleted) leave checkpoints and autovacuum
-		// running in the background of whatever comes next.
+		// running in the background of whatever comes next (it still
+		// follows the throughput rounds' writes).
 		fmt.Println("Temporal dev server: wrapped vs unwrapped activity throughput ...")
 		if rep.temporal, err = temporalThroughput(ctx, url, b.cpu, cfg.activities, cfg.tRounds, b.effect); err != nil {
 			return fmt.Errorf("temporal: %w", err)

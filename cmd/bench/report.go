@@ -298,7 +298,7 @@ func (t temporalResult) markdown() string {
 	var b strings.Builder
 	rs := t.ratios
 	fmt.Fprintf(&b, "\n## On a Temporal dev server\n\n%d activities per measurement, 8 workflows fanning out, %d ABBA rounds, 64 concurrent activity slots, 8 activity and 8 workflow task pollers.\n\n", t.activities, t.rounds)
-	b.WriteString("| activity | activities/s | CPU per activity: PostgreSQL | this process (worker, client) | the rest (dev server) | total | history events per activity |\n|---|---:|---:|---:|---:|---:|---:|\n")
+	b.WriteString("| activity | activities/s | CPU per activity: PostgreSQL | this process (worker, client) | the rest (dev server, kernel interrupts) | total | history events per activity |\n|---|---:|---:|---:|---:|---:|---:|\n")
 	for _, row := range []struct {
 		name, ty string
 		rate     float64
@@ -309,8 +309,10 @@ func (t temporalResult) markdown() string {
 		}
 		server, client, rest, total, events := "", "", "", "", ""
 		if c := t.cpu[row.ty]; c != nil && c.activities > 0 {
-			s, cl, r := c.perActivity()
-			server, client, rest, total = fmt.Sprintf("%.0f µs", s), fmt.Sprintf("%.0f µs", cl), fmt.Sprintf("%.0f µs", r), fmt.Sprintf("%.0f µs", s+cl+r)
+			if c.cpuKnown {
+				s, cl, r := c.perActivity()
+				server, client, rest, total = fmt.Sprintf("%.0f µs", s), fmt.Sprintf("%.0f µs", cl), fmt.Sprintf("%.0f µs", r), fmt.Sprintf("%.0f µs", s+cl+r)
+			}
 			events = fmt.Sprintf("%.2f", float64(c.events)/float64(c.activities))
 		}
 		fmt.Fprintf(&b, "| %s | %s | %s | %s | %s | %s | %s |\n", row.name, rate, server, client, rest, total, events)

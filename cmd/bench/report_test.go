@@ -115,8 +115,8 @@ func TestTemporalSection(t *testing.T) {
 	t.Parallel()
 	tr := temporalResult{bare: 400, wrapped: 392, ratios: []float64{0.9, 0.98, 1.1}, activities: 400, rounds: 3,
 		cpu: map[string]*temporalCPU{
-			"Bare":    {server: 300 * time.Millisecond, client: 900 * time.Millisecond, rest: 3 * time.Second, activities: 1000, events: 3880},
-			"Wrapped": {server: 350 * time.Millisecond, client: 920 * time.Millisecond, rest: 3 * time.Second, activities: 1000, events: 3900},
+			"Bare":    {server: 300 * time.Millisecond, client: 900 * time.Millisecond, rest: 3 * time.Second, cpuKnown: true, activities: 1000, events: 3880},
+			"Wrapped": {server: 350 * time.Millisecond, client: 920 * time.Millisecond, rest: 3 * time.Second, cpuKnown: true, activities: 1000, events: 3900},
 		}}
 	out := tr.markdown()
 	for _, want := range []string{
@@ -127,5 +127,31 @@ func TestTemporalSection(t *testing.T) {
 		if !strings.Contains(out, want) {
 			t.Errorf("missing %q in:\n%s", want, out)
 		}
+	}
+}
+
+// TestTemporalCPUAdd: the rest is the machine's CPU time that neither
+// PostgreSQL nor this process used; a measurement whose CPU could not be
+// read (a server not on this machine) leaves the CPU unknown, its
+// activities and events still counted.
+func TestTemporalCPUAdd(t *testing.T) {
+	t.Parallel()
+	ms := func(n int) time.Duration { return time.Duration(n) * time.Millisecond }
+	var c temporalCPU
+	c.add(400, 1552, cpuReading{ms(1000), ms(2000), ms(10000)}, cpuReading{ms(1120), ms(2360), ms(11700)})
+	c.add(400, 1560, cpuReading{ms(1120), ms(2360), ms(11700)}, cpuReading{ms(1250), ms(2730), ms(13400)})
+	if want := (temporalCPU{server: ms(250), client: ms(730), rest: ms(2420), cpuKnown: true, activities: 800, events: 3112}); c != want {
+		t.Errorf("got %+v, want %+v", c, want)
+	}
+	if s, cl, r := c.perActivity(); s != 312.5 || cl != 912.5 || r != 3025 {
+		t.Errorf("per activity: %v %v %v µs", s, cl, r)
+	}
+	c.add(400, 1550, cpuReading{-1, ms(2730), ms(13400)}, cpuReading{-1, ms(3000), ms(15000)})
+	if c.cpuKnown || c.activities != 1200 || c.events != 4662 {
+		t.Errorf("after a measurement without the server's CPU: %+v", c)
+	}
+	tr := temporalResult{bare: 1, wrapped: 1, ratios: []float64{1}, cpu: map[string]*temporalCPU{"Bare": &c, "Wrapped": &c}}
+	if out := tr.markdown(); !strings.Contains(out, "| unwrapped (effect in a transaction) | 1 |  |  |  |  | 3.88 |") {
+		t.Errorf("CPU unknown: %s", out)
 	}
 }

@@ -28,11 +28,38 @@ type temporalResult struct {
 	cpu map[string]*temporalCPU
 }
 
-// temporalCPU is the CPU time the measurements of one activity type used.
+// temporalCPU is what the measurements of one activity type used.
 type temporalCPU struct {
 	server, client, rest time.Duration
+	cpuKnown             bool // the CPU times of every measurement were read
 	activities           int
 	events               int64 // in the workflows' histories
+}
+
+// cpuReading is the CPU time used so far: by PostgreSQL (-1 if unknown),
+// by this process, and by the whole machine (-1 if unknown).
+type cpuReading struct{ server, client, busy time.Duration }
+
+func readCPU(m cpuMeter) cpuReading {
+	server, client := m.read()
+	return cpuReading{server, client, machineBusy()}
+}
+
+// add counts a measurement of n activities whose histories hold events,
+// with the CPU read before and after it. The rest is the machine's CPU
+// time that neither PostgreSQL nor this process used: the dev server's,
+// and the kernel's interrupt time (the loopback network's, say).
+func (c *temporalCPU) add(n int, events int64, before, after cpuReading) {
+	known := before.server >= 0 && after.server >= 0 && before.busy >= 0 && after.busy >= 0
+	c.cpuKnown = known && (c.cpuKnown || c.activities == 0)
+	c.activities += n
+	c.events += events
+	if known {
+		server, client := after.server-before.server, after.client-before.client
+		c.server += server
+		c.client += client
+		c.rest += after.busy - before.busy - server - client
+	}
 }
 
 // perActivity returns the CPU time per activity, in µs.
@@ -108,9 +135,9 @@ func temporalThroughput(ctx context.Context, url string, meter cpuMeter, total, 
 	defer w.Stop()
 
 	const workflows = 8
+	perMeasurement := total / workflows * workflows // what the workflows run
 	measure := func(activityType string, round int) (time.Duration, error) {
-		server0, client0 := meter.read()
-		busy0 := machineBusy()
+		before := readCPU(meter)
 		t0 := time.Now()
 		runs := make([]client.WorkflowRun, workflows)
 		for i := range workflows {
@@ -127,20 +154,17 @@ func temporalThroughput(ctx context.Context, url string, meter cpuMeter, total, 
 			}
 		}
 		dt := time.Since(t0)
-		server1, client1 := meter.read()
-		busy1 := machineBusy()
-		if tc := res.cpu[activityType]; round >= 0 && tc != nil && server0 >= 0 && busy0 >= 0 {
-			tc.server += server1 - server0
-			tc.client += client1 - client0
-			tc.rest += (busy1 - busy0) - (server1 - server0) - (client1 - client0)
-			tc.activities += total / workflows * workflows
-			for _, r := range runs {
+		after := readCPU(meter)
+		if tc := res.cpu[activityType]; round >= 0 && tc != nil {
+			var events int64
+			for _, r := range runs { // after the readings: not measured
 				desc, err := c.DescribeWorkflow(ctx, r.GetID(), r.GetRunID())
 				if err != nil {
 					return 0, err
 				}
-				tc.events += desc.RawResponse.GetWorkflowExecutionInfo().GetHistoryLength()
+				events += desc.RawResponse.GetWorkflowExecutionInfo().GetHistoryLength()
 			}
+			tc.add(perMeasurement, events, before, after)
 		}
 		return dt, nil
 	}
@@ -167,7 +191,7 @@ func temporalThroughput(ctx context.Context, url string, meter cpuMeter, total, 
 		res.ratios = append(res.ratios, roundBare.Seconds()/roundWrapped.Seconds())
 	}
 	sort.Float64s(res.ratios)
-	n := float64(total * 2 * res.rounds)
+	n := float64(perMeasurement * 2 * res.rounds)
 	res.bare, res.wrapped = n/bareT.Seconds(), n/wrappedT.Seconds()
 	return res, nil
 }
