@@ -785,7 +785,7 @@ func TestReconcilerWaitEnds(t *testing.T) {
 	})
 	_, err = outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{Checker: checker, MaxWait: -time.Second})
 	require.ErrorIs(t, err, outbox.ErrInvalidConfig)
-	const maxWait = time.Second
+	const maxWait = 2 * time.Second
 	rc, err := outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{Checker: checker, MaxWait: maxWait})
 	require.NoError(t, err)
 
