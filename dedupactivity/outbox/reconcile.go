@@ -26,9 +26,8 @@ import (
 // answer is unknown (the destination is down, say): the message is then
 // reported, not changed. An unknown answer may ask for a wait (RetryAfter;
 // a StatusError's RetryAfter on a 429 or a 503), as a rate-limited status
-// endpoint does: the
-// Reconciler then asks that destination nothing more until the wait is
-// over (see ReconcilerConfig.MaxWait).
+// endpoint does: the Reconciler then asks that destination nothing more
+// until the wait is over (see ReconcilerConfig.MaxWait).
 type Checker interface {
 	Applied(ctx context.Context, d Delivery) (bool, error)
 }
@@ -43,8 +42,9 @@ func (f CheckerFunc) Applied(ctx context.Context, d Delivery) (bool, error) { re
 // means applied, 404 means not applied, 409 with the JSON body
 // {"applied":false,"status":N} (N a 3xx or 4xx status) means refused for
 // good with status N (ErrRejected), anything else is unknown. A 429 or a
-// 503 with a Retry-After header asks for that wait. No redirect is followed: a 3xx is unknown, as a redirect's 200 (a
-// login page, say) would say nothing of the key. The idemhttp package's
+// 503 with a Retry-After header asks for that wait. No redirect is
+// followed: a 3xx is unknown, as a redirect's 200 (a login page, say)
+// would say nothing of the key. The idemhttp package's
 // Middleware.StatusHandler answers this way.
 type HTTPChecker struct {
 	// URL returns the status URL of key at destination; "" means the
@@ -163,10 +163,11 @@ type ReconcilerConfig struct {
 	MaxMessages int
 
 	// MaxWait bounds the wait a destination's answer can ask for (see
-	// Checker): until it is over, the Reconciler asks that destination
-	// about none of its messages, in the run that was asked and in later
-	// ones, and lists it in ReconcileReport.Waiting. The wait is the
-	// Reconciler's own (each worker's), not kept in the database.
+	// Checker): the Reconciler asks that destination about none of its
+	// messages for the rest of the run that was asked, and in later runs
+	// until the wait is over, and lists it in ReconcileReport.Waiting. The
+	// wait is the Reconciler's own (each worker's), not kept in the
+	// database.
 	//
 	// Defaults to DefaultMaxWait (1h).
 	MaxWait time.Duration
@@ -459,6 +460,14 @@ ORDER BY (state = 'dead' AND requeues >= $3), checked_at NULLS FIRST, id LIMIT $
 		}
 		applied, cerr := rc.cfg.Checker.Applied(ctx, c.d)
 		rejected := errors.Is(cerr, ErrRejected)
+		if wait := destinationWait(cerr); wait > 0 && !rejected {
+			// Kept even if the run stops now: the answer came (as the
+			// relay keeps a wait learned as it stops).
+			if rep.Waiting == nil {
+				rep.Waiting = map[string]time.Time{}
+			}
+			rep.Waiting[c.d.Destination] = rc.waits.set(c.d.Destination, time.Now().Add(min(wait, rc.cfg.MaxWait)))
+		}
 		if cerr != nil && ctx.Err() != nil {
 			// The run was stopped, not answered: the message is neither
 			// reported nor marked checked, which would send it behind
@@ -468,14 +477,6 @@ ORDER BY (state = 'dead' AND requeues >= $3), checked_at NULLS FIRST, id LIMIT $
 		}
 		if cerr != nil && !rejected {
 			unresolved("unknown: " + cerr.Error())
-			if wait := destinationWait(cerr); wait > 0 {
-				if rep.Waiting == nil {
-					rep.Waiting = map[string]time.Time{}
-				}
-				until := time.Now().Add(min(wait, rc.cfg.MaxWait))
-				rc.waits.set(c.d.Destination, until)
-				rep.Waiting[c.d.Destination] = until
-			}
 			continue
 		}
 		var sql string

@@ -101,6 +101,16 @@ func (rv *receiver) checker() outbox.Checker {
 	return outbox.HTTPChecker{URL: outbox.StatusURL(map[string]string{"receipts": rv.URL + "/idempotency-keys"})}
 }
 
+// deadLetters places n messages and makes them dead, for a reconciler to
+// ask about; it returns their keys.
+func (b *testBundle) deadLetters(t *testing.T, n int) []string {
+	t.Helper()
+	keys := b.placeN(t, n)
+	_, err := b.schema.Pool.Exec(context.Background(), `UPDATE dedup_outbox SET state = 'dead'`)
+	require.NoError(t, err)
+	return keys
+}
+
 func (b *testBundle) relayTo(t *testing.T, url string, cfg outbox.RelayConfig) *outbox.Relay {
 	t.Helper()
 	cfg.Sender = httpSender(t, url)
@@ -568,9 +578,7 @@ func TestReconcilerUnansweredChecksGoLast(t *testing.T) {
 func TestReconcileStoppedDuringACheck(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	b.placeN(t, 2)
-	_, err := b.schema.Pool.Exec(context.Background(), `UPDATE dedup_outbox SET state = 'dead'`)
-	require.NoError(t, err)
+	b.deadLetters(t, 2)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	asked := 0
@@ -706,10 +714,8 @@ func TestReconcilerWaitsWhenAsked(t *testing.T) {
 	ctx := context.Background()
 	limited, limitedHits := answering(t, http.StatusTooManyRequests, "120")
 	down, downHits := answering(t, http.StatusConflict, "120") // a key still in progress: the key's wait alone
-	keys := b.placeN(t, 5)
-	_, err := b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET state = 'dead'`)
-	require.NoError(t, err)
-	_, err = b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET destination = 'limited' WHERE idempotency_key = ANY($1)`, keys[:2])
+	keys := b.deadLetters(t, 5)
+	_, err := b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET destination = 'limited' WHERE idempotency_key = ANY($1)`, keys[:2])
 	require.NoError(t, err)
 	_, err = b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET destination = 'down' WHERE idempotency_key = ANY($1)`, keys[2:4])
 	require.NoError(t, err)
@@ -772,9 +778,7 @@ func TestReconcilerWaitEnds(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	ctx := context.Background()
-	keys := b.placeN(t, 3)
-	_, err := b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET state = 'dead'`)
-	require.NoError(t, err)
+	keys := b.deadLetters(t, 3)
 	var asked []string
 	checker := outbox.CheckerFunc(func(_ context.Context, d outbox.Delivery) (bool, error) {
 		asked = append(asked, d.Key)
@@ -783,7 +787,7 @@ func TestReconcilerWaitEnds(t *testing.T) {
 		}
 		return true, nil
 	})
-	_, err = outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{Checker: checker, MaxWait: -time.Second})
+	_, err := outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{Checker: checker, MaxWait: -time.Second})
 	require.ErrorIs(t, err, outbox.ErrInvalidConfig)
 	const maxWait = 2 * time.Second
 	rc, err := outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{Checker: checker, MaxWait: maxWait})
@@ -807,4 +811,32 @@ func TestReconcilerWaitEnds(t *testing.T) {
 	require.Equal(t, 3, rep.Applied)
 	require.Nil(t, rep.Waiting)
 	require.Equal(t, 3, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'applied'`))
+}
+
+// TestReconcilerStoppedRunKeepsTheWait: an answer that asks for a wait and
+// comes as the run stops is still a wait, as it is for the relay
+// (TestRelayStoppedPassKeepsTheWait): the next run does not ask that
+// destination again before it is over.
+func TestReconcilerStoppedRunKeepsTheWait(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.deadLetters(t, 2)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var asked atomic.Int64
+	rc, err := outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{Checker: outbox.CheckerFunc(func(context.Context, outbox.Delivery) (bool, error) {
+		asked.Add(1)
+		cancel() // the run stops as the answer comes
+		return false, outbox.RetryAfter(errors.New("rate limited"), 2*time.Minute)
+	})})
+	require.NoError(t, err)
+	_, err = rc.Reconcile(ctx)
+	require.ErrorIs(t, err, context.Canceled)
+	require.Equal(t, int64(1), asked.Load())
+
+	rep, err := rc.Reconcile(context.Background())
+	require.NoError(t, err)
+	require.Equal(t, int64(1), asked.Load(), "the destination asked to wait")
+	require.Zero(t, rep.Checked)
+	require.Contains(t, rep.Waiting, "receipts")
 }

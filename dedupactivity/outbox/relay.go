@@ -80,8 +80,9 @@ type RelayConfig struct {
 	// Default to DefaultMinBackoff (1s) and DefaultMaxBackoff (5m).
 	MinBackoff, MaxBackoff time.Duration
 
-	// Logger receives Run's pass errors, and a line each time a
-	// destination asks the relay to wait (see MinBackoff).
+	// Logger receives Run's pass errors, a Sender's panics, messages it
+	// could not give back (their leases expire instead), and a line each
+	// time a destination asks the relay to wait (see MinBackoff).
 	//
 	// Defaults to slog.Default().
 	Logger *slog.Logger
@@ -383,8 +384,7 @@ func (r *Relay) deliver(ctx context.Context, leaseEnd time.Time, d Delivery, res
 		}
 		sendErr = r.send(sendCtx, d)
 		if wait := destinationWait(sendErr); wait > 0 {
-			until := time.Now().Add(min(wait, r.cfg.MaxBackoff))
-			r.waits.set(d.Destination, until)
+			until := r.waits.set(d.Destination, time.Now().Add(min(wait, r.cfg.MaxBackoff)))
 			r.cfg.Logger.Info("outbox destination asked to wait: nothing is sent to it until then",
 				"destination", d.Destination, "until", until.UTC().Format(time.RFC3339), "asked", wait.String(), "key", d.Key)
 		}

@@ -64,10 +64,11 @@ func (f SenderFunc) Send(ctx context.Context, d Delivery) error { return f(ctx, 
 // the wait is the longer of after and the relay's backoff, capped at
 // RelayConfig.MaxBackoff. A non-positive after asks for nothing. err is
 // retried as it would be without it: an err wrapping ErrPermanent still
-// makes the message dead, and so does a message's last attempt. The wait
-// is the destination's too: the relay sends it nothing meanwhile (see
+// makes the message dead, and so does a message's last attempt. after is
+// also the destination's wait (not lengthened by the backoff, capped at
+// MaxBackoff): the relay sends it nothing meanwhile (see
 // RelayConfig.MinBackoff). Returned by a Checker, it asks the Reconciler to
-// ask the destination nothing until then (see ReconcilerConfig.MaxWait).
+// ask the destination nothing for after, up to ReconcilerConfig.MaxWait.
 // RetryAfter returns nil if err is nil.
 func RetryAfter(err error, after time.Duration) error {
 	if err == nil {
@@ -168,17 +169,18 @@ func (w *waits) until(destination string, now time.Time) (time.Time, bool) {
 // set records that destination asked for nothing until until. A wait
 // already recorded that ends later stays: answers to sends made at once
 // (concurrent passes of one Relay) come back in any order, and a shorter
-// one is no sign that the longer is over.
-func (w *waits) set(destination string, until time.Time) {
+// one is no sign that the longer is over. It returns the end kept.
+func (w *waits) set(destination string, until time.Time) time.Time {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if w.m == nil {
 		w.m = map[string]time.Time{}
 	}
 	if cur, ok := w.m[destination]; ok && cur.After(until) {
-		return
+		return cur
 	}
 	w.m[destination] = until
+	return until
 }
 
 // retryAfterHeader reads a Retry-After value (RFC 9110, section 10.2.3):
