@@ -104,7 +104,11 @@ type Options struct {
 	// ClaimWait bounds how long an attempt waits for another attempt whose
 	// transaction holds the same event. After it, the attempt fails with a
 	// retryable ErrClaimTimeout error and Temporal retries it later. The wait
-	// is also cut short by the activity's own deadline. At most 24h.
+	// is also cut short by the activity's own deadline and, as the claim
+	// does not heartbeat while it waits, to 80% of the activity's
+	// HeartbeatTimeout if it has one: Temporal would otherwise time the
+	// attempt out first, and schedule the next, while this one still
+	// waits. At most 24h.
 	//
 	// Defaults to DefaultClaimWait (10s).
 	ClaimWait time.Duration

@@ -14,6 +14,9 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"go.temporal.io/sdk/activity"
+	"go.temporal.io/sdk/temporal"
+	"go.temporal.io/sdk/testsuite"
+	"go.temporal.io/sdk/workflow"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 )
@@ -645,4 +648,44 @@ func TestEventAppliedBetweenTheLookAndTheKey(t *testing.T) {
 	require.Equal(t, int64(1), b.ledgerRows(t), "applied once")
 	require.Equal(t, int64(7), b.count(t, `SELECT balance FROM account WHERE id = 'a'`))
 	require.Equal(t, int64(1), b.markers(t))
+}
+
+// TestClaimWaitUnderTheHeartbeatTimeout: the claim sends no heartbeat while
+// it waits for a concurrent attempt, so an activity with a HeartbeatTimeout
+// waits at most 80% of it and fails with a retryable claim timeout, before
+// Temporal would time the attempt out for its missing heartbeats (and
+// schedule the next while this one still waits).
+func TestClaimWaitUnderTheHeartbeatTimeout(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	key := dedupactivity.WithBusinessKey(func(in Transfer) (string, error) { return "order-" + in.Account, nil })
+	holding, release := holdFirstClaim(t, b)
+	in := Transfer{Account: "a", Amount: 2}
+	holder := make(chan error, 1)
+	go func() { _, err := deliver(t, "Post", dedupactivity.Wrap(b.d, b.post, key), in); holder <- err }()
+	<-holding
+
+	waiter, err := dedupactivity.New(b.pool, dedupactivity.Options{ClaimWait: time.Minute})
+	require.NoError(t, err)
+	const heartbeat = 4 * time.Second
+	var s testsuite.WorkflowTestSuite
+	env := s.NewTestWorkflowEnvironment()
+	env.SetTestTimeout(time.Minute) // its default, 3s, is below the wait
+	env.RegisterActivityWithOptions(dedupactivity.Wrap(waiter, b.post, key), activity.RegisterOptions{Name: "Post"})
+	began := time.Now()
+	env.ExecuteWorkflow(func(ctx workflow.Context, in Transfer) error {
+		ctx = workflow.WithActivityOptions(ctx, workflow.ActivityOptions{StartToCloseTimeout: 2 * time.Minute,
+			HeartbeatTimeout: heartbeat, RetryPolicy: &temporal.RetryPolicy{MaximumAttempts: 1}})
+		return workflow.ExecuteActivity(ctx, "Post", in).Get(ctx, nil)
+	}, in)
+	waited := time.Since(began)
+	var ae *temporal.ApplicationError
+	require.ErrorAs(t, env.GetWorkflowError(), &ae, "a claim timeout, not a heartbeat timeout")
+	require.Equal(t, dedupactivity.ErrTypeClaimTimeout, ae.Type())
+	require.Less(t, waited, heartbeat)
+	require.GreaterOrEqual(t, waited, heartbeat*4/5-100*time.Millisecond)
+
+	release()
+	require.NoError(t, <-holder)
+	require.Equal(t, int64(1), b.ledgerRows(t))
 }

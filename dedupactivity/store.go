@@ -328,9 +328,10 @@ type marker struct {
 	fingerprint  []byte // nil: not compared
 	result       []byte // nil, or empty when results are discarded
 	scheduledAt  time.Time
-	ctid         pgtype.TID // of the inserted row, once claimed
-	xact         string     // the claim's top-level transaction ID, once claimed
-	table        uint32     // the marker table's OID, as the claim's first statement found it
+	heartbeat    time.Duration // the activity's HeartbeatTimeout (see claimWait)
+	ctid         pgtype.TID    // of the inserted row, once claimed
+	xact         string        // the claim's top-level transaction ID, once claimed
+	table        uint32        // the marker table's OID, as the claim's first statement found it
 }
 
 // addClaim queues the claim of m on t; claimed reads it.
