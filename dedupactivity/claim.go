@@ -262,7 +262,7 @@ func (d *Deduper) sendClaim(ctx context.Context, tx *claimTx, q *pgx.QueuedQuery
 				d.store.addLook(t, tx.m)
 				err = t.addQuery(q.SQL, q.Arguments)
 			} else {
-				d.store.addClaim(t, tx.m, claimWait(ctx, d.opts.ClaimWait, tx.m))
+				d.store.addClaim(t, tx.m, d.claimWaitFor(ctx, tx.m))
 			}
 		}
 		if errors.Is(err, errNotRidden) {
@@ -349,7 +349,7 @@ func (d *Deduper) resetConn(ctx context.Context, tx *claimTx) error {
 // marker was committed meanwhile (a duplicate).
 func (d *Deduper) claimKey(ctx context.Context, tx *claimTx) (ok bool, err error) {
 	t := newTrip(tx.conn)
-	d.store.addClaim(t, tx.m, claimWait(ctx, d.opts.ClaimWait, tx.m))
+	d.store.addClaim(t, tx.m, d.claimWaitFor(ctx, tx.m))
 	t.send(ctx)
 	ok, err = d.store.claimed(t, tx.m)
 	if cerr := t.close(); err == nil {
@@ -403,7 +403,7 @@ func claimError(ctx context.Context, err error) error {
 // attempt committed the marker first: nothing of this one commits.
 func (d *Deduper) commitLast(ctx context.Context, conn *pgx.Conn, m *marker) error {
 	t := newTrip(conn)
-	d.store.addInsertLast(t, m, claimWait(ctx, d.opts.ClaimWait, m))
+	d.store.addInsertLast(t, m, d.claimWaitFor(ctx, m))
 	t.add(commitStmt)
 	t.send(ctx)
 	if _, err := t.exec(); err != nil {
@@ -633,12 +633,13 @@ func expiry(info activity.Info, retention time.Duration) time.Time {
 	return at
 }
 
-// claimWait is the lock_timeout for m's claim: the configured wait, cut
+// claimWaitFor is the lock_timeout for m's claim: Options.ClaimWait, cut
 // short by ctx's deadline (less a margin to report the timeout before the
 // activity's own deadline) and by 80% of the activity's heartbeat timeout
 // (the claim sends no heartbeat while it waits; the SDK's own heartbeats
 // go out at 80% of it), and never below 1ms (0 would mean no limit).
-func claimWait(ctx context.Context, wait time.Duration, m *marker) time.Duration {
+func (d *Deduper) claimWaitFor(ctx context.Context, m *marker) time.Duration {
+	wait := d.opts.ClaimWait
 	if m.heartbeat > 0 {
 		wait = min(wait, m.heartbeat*4/5)
 	}

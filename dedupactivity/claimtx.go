@@ -82,7 +82,7 @@ func ClaimTx[Out any](ctx context.Context, d *Deduper, tx pgx.Tx, id Identity, i
 	}
 	start := time.Now()
 	b := &pgx.Batch{}
-	d.store.queueClaim(b, c.m, claimWait(ctx, d.opts.ClaimWait, c.m))
+	d.store.queueClaim(b, c.m, d.claimWaitFor(ctx, c.m))
 	br := tx.SendBatch(ctx, b)
 	claimed, err := d.store.readClaim(br, c.m)
 	if cerr := br.Close(); err == nil {

@@ -328,7 +328,7 @@ type marker struct {
 	fingerprint  []byte // nil: not compared
 	result       []byte // nil, or empty when results are discarded
 	scheduledAt  time.Time
-	heartbeat    time.Duration // the activity's HeartbeatTimeout (see claimWait)
+	heartbeat    time.Duration // the activity's HeartbeatTimeout (see Deduper.claimWaitFor)
 	ctid         pgtype.TID    // of the inserted row, once claimed
 	xact         string        // the claim's top-level transaction ID, once claimed
 	table        uint32        // the marker table's OID, as the claim's first statement found it
@@ -350,7 +350,7 @@ func (s *store) addInsertLast(t *trip, m *marker, wait time.Duration) {
 
 // appendLockTimeout appends d as a lock_timeout setting in whole
 // milliseconds, such as "250ms". d must be at least a millisecond (see
-// claimWait): a lock_timeout of 0 waits for ever.
+// Deduper.claimWaitFor): a lock_timeout of 0 waits for ever.
 func appendLockTimeout(b []byte, d time.Duration) []byte {
 	return append(strconv.AppendInt(b, d.Milliseconds(), 10), "ms"...)
 }

@@ -148,16 +148,6 @@ func (w *waits) active(now time.Time) map[string]time.Time {
 	return out
 }
 
-// destinations returns the keys of m, never nil: a query's
-// "destination <> ALL($n)" with a NULL array would match no row.
-func destinations(m map[string]time.Time) []string {
-	out := make([]string, 0, len(m))
-	for dest := range m {
-		out = append(out, dest)
-	}
-	return out
-}
-
 // until returns the end of destination's wait if it is not over at now.
 func (w *waits) until(destination string, now time.Time) (time.Time, bool) {
 	w.mu.Lock()
@@ -181,6 +171,16 @@ func (w *waits) set(destination string, until time.Time) time.Time {
 	}
 	w.m[destination] = until
 	return until
+}
+
+// destinations returns the keys of m, never nil: a query's
+// "destination <> ALL($n)" with a NULL array would match no row.
+func destinations(m map[string]time.Time) []string {
+	out := make([]string, 0, len(m))
+	for dest := range m {
+		out = append(out, dest)
+	}
+	return out
 }
 
 // retryAfterHeader reads a Retry-After value (RFC 9110, section 10.2.3):
