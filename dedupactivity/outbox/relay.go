@@ -272,12 +272,13 @@ func (r *Relay) runOnce(ctx context.Context, progress func(RelayResult)) (RelayR
 		if err != nil {
 			return res, err
 		}
+		var postponed []Delivery // given back with the rest, in one statement
 		for i, d := range batch {
 			// Once the lease is over another relay may claim and send the
 			// message: each send is cut at the lease's end, and messages
 			// left with too little of it go back for the next claim.
 			if time.Until(leaseEnd) < r.cfg.Lease/4 {
-				r.release(ctx, batch[i:])
+				r.release(ctx, append(postponed, batch[i:]...))
 				if i == 0 {
 					// The claim itself took most of the lease (a slow
 					// database): claiming again at once would spin on the
@@ -285,25 +286,25 @@ func (r *Relay) runOnce(ctx context.Context, progress func(RelayResult)) (RelayR
 					// next.
 					return res, nil
 				}
+				postponed = nil
 				break
 			}
 			if _, ok := r.waits.until(d.Destination, time.Now()); ok {
 				// An earlier send of the batch learned that its destination
 				// asks for a wait: given back, due after it.
-				r.release(ctx, []Delivery{d})
+				postponed = append(postponed, d)
 				res.Postponed++
-				continue
-			}
-			if err := r.deliver(ctx, leaseEnd, d, &res); err != nil {
+			} else if err := r.deliver(ctx, leaseEnd, d, &res); err != nil {
 				// Release the rest of the batch for other relays: their
 				// leases would otherwise have to expire.
-				r.release(ctx, batch[i+1:])
+				r.release(ctx, append(postponed, batch[i+1:]...))
 				return res, err
 			}
 			if progress != nil {
 				progress(res)
 			}
 		}
+		r.release(ctx, postponed)
 		if len(batch) < r.cfg.BatchSize {
 			return res, nil
 		}
