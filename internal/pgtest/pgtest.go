@@ -5,7 +5,8 @@
 //  1. TEST_DATABASE_URL, if set;
 //  2. a throwaway cluster started from the local PostgreSQL binaries (initdb and
 //     pg_ctl on a free port in a temporary directory; as root they run as the
-//     postgres user);
+//     postgres user), stopped and removed also when the test binary dies
+//     without cleaning up (see Cluster.reap);
 //  3. testcontainers-go's Postgres module, when a Docker engine answers;
 //  4. otherwise the test fails when CI=true and is skipped with a message
 //     elsewhere.
@@ -21,6 +22,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"os"
 	"os/exec"
@@ -30,6 +32,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -242,6 +245,8 @@ type Cluster struct {
 	extra string
 	bin   string
 	user  string // OS user running the server; "" for the current user
+	// reaper holds open the pipe a reaper process reads (see reap).
+	reaper io.Closer
 }
 
 // URL connects to the cluster as the postgres superuser.
@@ -286,7 +291,35 @@ func StartCluster(extra ...string) (*Cluster, error) {
 	if err := c.Start(); err != nil {
 		return nil, err
 	}
+	if err := c.reap(); err != nil {
+		return nil, errors.Join(fmt.Errorf("start the cluster's reaper: %w", err), c.Destroy())
+	}
 	return c, nil
+}
+
+// reap starts a process that stops the server and removes its directory
+// once this process has exited, however it exits (a panic, a test's
+// timeout, SIGKILL), so that a test binary that dies does not leave a
+// server running: a shell reads a pipe that only this process holds open
+// (descriptors are not inherited by other children), and sees its end when
+// the kernel closes it. It runs in a process group of its own, out of reach
+// of a terminal's Ctrl-C to this one. The Cluster must stay reachable while
+// its server is used: the pipe's file would otherwise be closed when it is
+// collected.
+func (c *Cluster) reap() error {
+	stop := c.command("pg_ctl", "-D", filepath.Join(c.Dir, "data"), "-m", "immediate", "-w", "stop")
+	cmd := exec.Command("/bin/sh", append([]string{"-c", `cat >/dev/null; dir=$1; shift; "$@" >/dev/null 2>&1; rm -rf "$dir"`, "pgtest-reaper", c.Dir}, stop.Args...)...)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	w, err := cmd.StdinPipe()
+	if err != nil {
+		return err
+	}
+	if err := cmd.Start(); err != nil {
+		return err
+	}
+	go func() { _ = cmd.Wait() }() // once Destroy closed the pipe, or never
+	c.reaper = w
+	return nil
 }
 
 // Start starts (or restarts after Stop) the cluster's server.
@@ -312,18 +345,24 @@ func (c *Cluster) Stop() error {
 // Destroy stops the server and removes its directory.
 func (c *Cluster) Destroy() error {
 	err := c.Stop()
-	return errors.Join(err, os.RemoveAll(c.Dir))
+	err = errors.Join(err, os.RemoveAll(c.Dir))
+	if c.reaper != nil {
+		err = errors.Join(err, c.reaper.Close()) // the reaper finds nothing left
+	}
+	return err
 }
 
 func (c *Cluster) run(tool string, args ...string) ([]byte, error) {
+	return c.command(tool, args...).CombinedOutput()
+}
+
+// command runs one of the server's tools as the cluster's user.
+func (c *Cluster) command(tool string, args ...string) *exec.Cmd {
 	path := filepath.Join(c.bin, tool)
-	var cmd *exec.Cmd
 	if c.user != "" {
-		cmd = exec.Command("runuser", append([]string{"-u", c.user, "--", path}, args...)...)
-	} else {
-		cmd = exec.Command(path, args...)
+		return exec.Command("runuser", append([]string{"-u", c.user, "--", path}, args...)...)
 	}
-	return cmd.CombinedOutput()
+	return exec.Command(path, args...)
 }
 
 func startLocal() (*Server, error) {
