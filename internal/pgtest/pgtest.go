@@ -94,12 +94,19 @@ func RequireServer(tb testing.TB) *Server {
 	tb.Helper()
 	s, err := Start()
 	if err != nil {
-		if os.Getenv("CI") == "true" {
-			tb.Fatalf("pgtest: no PostgreSQL server (required under CI=true): %v", err)
-		}
-		tb.Skipf("pgtest: no PostgreSQL server, skipping (set TEST_DATABASE_URL, install PostgreSQL binaries, or run Docker): %v", err)
+		unavailable(tb, "no PostgreSQL server (set TEST_DATABASE_URL, install PostgreSQL binaries, or run Docker)", err)
 	}
 	return s
+}
+
+// unavailable ends a test that cannot get what it needs: it fails under
+// CI=true, where everything must be there, and is skipped elsewhere.
+func unavailable(tb testing.TB, what string, err error) {
+	tb.Helper()
+	if os.Getenv("CI") == "true" {
+		tb.Fatalf("pgtest: %s (required under CI=true): %v", what, err)
+	}
+	tb.Skipf("pgtest: %s, skipping: %v", what, err)
 }
 
 // NewCluster starts a cluster of the test's own (for tests that read the
@@ -109,10 +116,7 @@ func NewCluster(tb testing.TB, extra ...string) *Cluster {
 	tb.Helper()
 	c, err := StartCluster(extra...)
 	if err != nil {
-		if os.Getenv("CI") == "true" {
-			tb.Fatalf("pgtest: start a cluster (required under CI=true): %v", err)
-		}
-		tb.Skipf("pgtest: cannot start a cluster of the test's own, skipping: %v", err)
+		unavailable(tb, "cannot start a cluster of the test's own", err)
 	}
 	tb.Cleanup(func() {
 		if err := c.Destroy(); err != nil {
