@@ -99,12 +99,13 @@ deps: ## Install the Debian packages the tests and demo run (postgresql promethe
 	fi
 
 .PHONY: demo
-demo: $(TEMPORAL) ## Run the main job: transfers with injected redeliveries on embedded PostgreSQL + Temporal.
+demo: $(TEMPORAL) ## Run the main job: transfers with injected redeliveries, on a throwaway PostgreSQL cluster and Temporal dev server.
 	@$(MAKE) --no-print-directory deps DEPS_PACKAGES=postgresql
 	$(GO) run ./cmd/demo $(DEMO_FLAGS)
 
 .PHONY: demo-traces
-demo-traces: deps $(TEMPORAL) $(JAEGER) ## The demo with Jaeger beside it: prints a trace link and what Jaeger holds, then serves it until Ctrl-C.
+demo-traces: $(TEMPORAL) $(JAEGER) ## The demo with Jaeger beside it (built once, about 4 minutes): prints a trace link and what Jaeger holds, then serves it until Ctrl-C.
+	@$(MAKE) --no-print-directory deps DEPS_PACKAGES=postgresql
 	$(GO) run ./cmd/demo -traces -hold $(DEMO_FLAGS)
 
 .PHONY: test

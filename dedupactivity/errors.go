@@ -120,8 +120,10 @@ var errDuplicate = errors.New("dedupactivity: this delivery is a duplicate (the 
 var errNotRidden = errors.New("dedupactivity: the statement could not carry the claim")
 
 // Temporal ApplicationError types used at the activity edge. Workflows can
-// match them with temporal.ApplicationError.Type() or list them in
-// RetryPolicy.NonRetryableErrorTypes.
+// match them with temporal.ApplicationError.Type(). Each says whether it is
+// retryable; listing a retryable one in RetryPolicy.NonRetryableErrorTypes
+// stops the retries that would settle it (a claim timeout, a stored result
+// that decodes once the converter can).
 const (
 	// ErrTypePayloadMismatch marks a rejected payload mismatch (non-retryable).
 	ErrTypePayloadMismatch = "DedupPayloadMismatch"
@@ -136,8 +138,11 @@ const (
 	// ErrTypeResultTooLarge marks a result over Options.MaxResultBytes
 	// (non-retryable).
 	ErrTypeResultTooLarge = "DedupResultTooLarge"
-	// ErrTypeEncoding marks a value the data converter cannot encode or decode
-	// (non-retryable).
+	// ErrTypeEncoding marks a value the data converter cannot encode or
+	// decode (ErrEncoding): non-retryable for an input or a result (nothing
+	// is committed), retryable for a duplicate's stored result (the effect is
+	// applied, and a retry returns the result once it decodes). A
+	// converter's own ApplicationError (a codec's) decides instead.
 	ErrTypeEncoding = "DedupEncoding"
 )
 

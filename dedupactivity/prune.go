@@ -84,7 +84,8 @@ const (
 // pruneActivityName is the name of d's prune activity.
 func (d *Deduper) pruneActivityName() string { return pruneActivityPrefix + d.tel.table }
 
-// PruneResult is what one pruning run did.
+// PruneResult is what one run of the prune workflow (RegisterPruner) did;
+// Deduper.Prune returns the count alone.
 type PruneResult struct {
 	// Deleted counts the markers deleted (rows and rows of dropped
 	// partitions).

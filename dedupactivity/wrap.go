@@ -82,7 +82,9 @@ func WithBusinessKey[In any](key func(in In) (string, error)) WrapOption {
 	})
 }
 
-// WithRetention overrides Options.Retention for this activity.
+// WithRetention overrides Options.Retention for this activity. As
+// Options.Retention, it must be at least a minute: Wrap and Register panic
+// on less, and Do returns ErrInvalidOptions.
 func WithRetention(d time.Duration) WrapOption {
 	return wrapOptionFunc(func(c *wrapConfig) { c.retention = d })
 }
@@ -103,9 +105,10 @@ func WithRetention(d time.Duration) WrapOption {
 // Errors reach Temporal as follows: the effect's own errors unchanged; a
 // rejected payload mismatch, an invalid call (not an activity context, empty
 // business key, an effect that ended the transaction) and values the data
-// converter cannot handle as non-retryable ApplicationErrors (ErrType*
-// constants); a claim timeout as a retryable ApplicationError; database
-// errors as they are (retryable).
+// converter cannot encode as non-retryable ApplicationErrors (ErrType*
+// constants); a claim timeout, and a duplicate's stored result the
+// converter cannot decode, as retryable ones; database errors as they are
+// (retryable).
 func Wrap[In, Out any](d *Deduper, fn EffectFunc[In, Out], opts ...WrapOption) func(ctx context.Context, in In) (Out, error) {
 	w, err := newWrapper(d, fn, opts)
 	if err != nil {

@@ -15,6 +15,12 @@
 //	OpenTelemetry variables; traces and metrics go out over OTLP/gRPC when
 //	an endpoint is set (another OTEL_EXPORTER_OTLP_PROTOCOL, or an
 //	OTEL_*_EXPORTER other than otlp or none, stops it at start).
+//	OUTBOX_RELAY_LEASE, DEDUP_COUNTS_FILE: for the chaos harness (a shorter
+//	relay lease; the outcome counts written to a file).
+//
+// It needs a Temporal frontend and the ledger database at those addresses
+// (make demo starts both for itself; by hand: bin/temporal server start-dev,
+// and createdb ledger); it migrates the database at start.
 //
 // On SIGINT or SIGTERM it stops polling, lets in-flight activities finish,
 // and flushes telemetry before exiting.

@@ -67,7 +67,8 @@ func CreditActivityOptions(startToClose time.Duration) workflow.ActivityOptions 
 // TransferWorkflow debits one account and credits another, each through a
 // dedup-wrapped activity. The debit fails, before money moves, when either
 // account does not exist (UnknownAccount) or From lacks the funds
-// (InsufficientFunds); the credit is then retried until it applies.
+// (InsufficientFunds). Once the debit applied, the credit is retried until it
+// applies, for up to its ScheduleToCloseTimeout (24h).
 func TransferWorkflow(ctx workflow.Context, req TransferRequest) (TransferResult, error) {
 	var res TransferResult
 	debit := activities.Posting{TransferID: req.TransferID, Account: req.From, Amount: req.Amount, Counterparty: req.To, Faults: req.Faults}

@@ -112,7 +112,7 @@ func run() error {
 		}
 		defer srv.Stop() // best effort at exit
 		temporalAddr = srv.Address
-		fmt.Printf("Temporal Web UI: %s/namespaces/default/workflows\n", srv.UIAddress)
+		fmt.Printf("Temporal Web UI: %s/namespaces/default/workflows (until the demo exits)\n", srv.UIAddress)
 	} else {
 		fmt.Printf("Temporal server: %s (Web UI: wherever yours runs)\n", temporalAddr)
 	}
@@ -442,8 +442,10 @@ func report(ctx context.Context, w *ledgerworker.Worker, rs *receiptsService, re
 	case completed > 0:
 		problems = append(problems, "no receipt was acknowledged, so none could lose its acknowledgement")
 	}
-	fmt.Fprintf(tw, "injected: lost completions\t%d of %d\t\n", lostFired, len(lostIDs))
-	fmt.Fprintf(tw, "injected: overlapping attempts\t%d\t\n", stalled)
+	// As the chaos report says it: of the debits set to lose their
+	// completion, those whose first attempt committed.
+	fmt.Fprintf(tw, "injected: lost completions (debit committed at attempt 1)\t%d of %d\t\n", lostFired, len(lostIDs))
+	fmt.Fprintf(tw, "injected: overlapping attempts (credits set to stall)\t%d\t\n", stalled)
 	fmt.Fprintf(tw, "injected: lost receipt acknowledgements\t%d\t\n", lostAcks)
 	fmt.Fprintf(tw, "activity attempts\t%d\t\n", attempts)
 	for _, o := range []dedupactivity.Outcome{dedupactivity.OutcomeClaimed, dedupactivity.OutcomeDuplicate, dedupactivity.OutcomePayloadMismatch,

@@ -49,7 +49,7 @@ type RelayConfig struct {
 	// the same key. A relay cuts each send at its lease's end and gives
 	// back the messages left with under a quarter of it, so no two relays
 	// send one message at once; make it a few times the Sender's own
-	// timeout (HTTPSender's Timeout) so sends are not cut short.
+	// timeout (HTTPSenderConfig.Timeout) so sends are not cut short.
 	//
 	// Defaults to DefaultLease (30s).
 	Lease time.Duration
