@@ -78,7 +78,7 @@ func run() error {
 	flag.DurationVar(&cfg.stall, "stall", 2500*time.Millisecond, "how long a stalled first attempt sleeps inside its transaction")
 	flag.DurationVar(&cfg.startToClose, "start-to-close", 2*time.Second, "StartToClose timeout of each activity attempt")
 	traces := flag.Bool("traces", false, "start Jaeger v2 (bin/jaeger, make jaeger) beside the dev server, export the worker's spans to it over OTLP, and print a redelivered transfer's trace and what Jaeger holds")
-	hold := flag.Bool("hold", false, "with -traces: keep Jaeger serving after the report until Ctrl-C")
+	hold := flag.Bool("hold", false, "keep the servers the demo started (the Temporal dev server and its Web UI, Jaeger with -traces) serving after the report until Ctrl-C")
 	flag.Parse()
 	if cfg.workflows < 1 || cfg.accounts < 2 {
 		return errors.New("-workflows must be >= 1 and -accounts >= 2")
@@ -112,7 +112,7 @@ func run() error {
 		}
 		defer srv.Stop() // best effort at exit
 		temporalAddr = srv.Address
-		fmt.Printf("Temporal Web UI: %s/namespaces/default/workflows (until the demo exits)\n", srv.UIAddress)
+		fmt.Printf("Temporal Web UI: %s/namespaces/default/workflows (until the demo exits; -hold keeps it)\n", srv.UIAddress)
 	} else {
 		fmt.Printf("Temporal server: %s (Web UI: wherever yours runs)\n", temporalAddr)
 	}
@@ -214,10 +214,10 @@ func run() error {
 		if err := showTraces(ctx, jaeger, envTel, cfg.workflows); err != nil {
 			return errors.Join(reportErr, err)
 		}
-		if *hold && reportErr == nil {
-			fmt.Println("Jaeger keeps serving; Ctrl-C to stop")
-			<-ctx.Done()
-		}
+	}
+	if *hold && reportErr == nil {
+		fmt.Println("the servers the demo started keep serving; Ctrl-C to stop")
+		<-ctx.Done()
 	}
 	return reportErr
 }
