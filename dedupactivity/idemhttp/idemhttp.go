@@ -288,11 +288,19 @@ type response struct {
 	// without trailers is stored as before trailers were kept, and one
 	// stored before has none.
 	Trailer http.Header `json:",omitempty"`
+	// RawHeader and RawTrailer hold, as bytes, the headers and trailers
+	// with a value that is not UTF-8 (HTTP allows other bytes, a Latin-1
+	// filename say), which JSON, the default data converter's, would turn
+	// into U+FFFD; their names are then not in Header or Trailer. Omitted
+	// when there are none, so other responses are stored as before.
+	RawHeader  map[string][][]byte `json:",omitempty"`
+	RawTrailer map[string][][]byte `json:",omitempty"`
 }
 
 // stored is resp as it is stored: of its headers, only those names lists
 // (the ReplayHeaders) and the Trailer header, which declares the trailers
-// stored with it.
+// stored with it; values that are not UTF-8 as bytes. resp's own maps, which
+// the first delivery's answer is written from, are left as they are.
 func (resp response) stored(names []string) response {
 	h := http.Header{}
 	for _, n := range append([]string{"Trailer"}, names...) {
@@ -300,8 +308,59 @@ func (resp response) stored(names []string) response {
 			h[http.CanonicalHeaderKey(n)] = v
 		}
 	}
-	resp.Header = h
+	resp.Header, resp.RawHeader = splitRaw(h)
+	resp.Trailer, resp.RawTrailer = splitRaw(resp.Trailer)
 	return resp
+}
+
+// replayed is a stored response as it is written again: its raw values back
+// in its headers and trailers.
+func (resp response) replayed() response {
+	for k, vs := range resp.RawHeader {
+		if resp.Header == nil {
+			resp.Header = http.Header{}
+		}
+		resp.Header[k] = strs(vs)
+	}
+	for k, vs := range resp.RawTrailer {
+		if resp.Trailer == nil {
+			resp.Trailer = http.Header{}
+		}
+		resp.Trailer[k] = strs(vs)
+	}
+	resp.RawHeader, resp.RawTrailer = nil, nil
+	return resp
+}
+
+// splitRaw returns h's names whose values are all UTF-8 (in a new map, nil
+// when h is), and, as bytes, the others (nil when there are none).
+func splitRaw(h http.Header) (http.Header, map[string][][]byte) {
+	if h == nil {
+		return nil, nil
+	}
+	text := http.Header{}
+	var raw map[string][][]byte
+	for k, vs := range h {
+		if !slices.ContainsFunc(vs, func(v string) bool { return !utf8.ValidString(v) }) {
+			text[k] = vs
+			continue
+		}
+		if raw == nil {
+			raw = map[string][][]byte{}
+		}
+		for _, v := range vs {
+			raw[k] = append(raw[k], []byte(v))
+		}
+	}
+	return text, raw
+}
+
+func strs(bs [][]byte) []string {
+	out := make([]string, len(bs))
+	for i, b := range bs {
+		out[i] = string(b)
+	}
+	return out
 }
 
 // passOnError is a handler response that is not stored: one asking for a retry
@@ -404,7 +463,7 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 			writeResponse(w, first)
 		case err == nil:
 			w.Header().Set(ReplayedHeader, "true")
-			writeResponse(w, resp)
+			writeResponse(w, resp.replayed())
 		case errors.As(err, &pe):
 			writeResponse(w, first)
 		case errors.Is(err, dedupactivity.ErrPayloadMismatch):

@@ -1121,3 +1121,36 @@ func TestInFlightWaitBoundsTheWait(t *testing.T) {
 		})
 	}
 }
+
+// TestReplayKeepsHeaderBytes: a replayed header's value is the bytes the
+// handler sent, also when they are not UTF-8 (HTTP allows obs-text, such
+// as a Latin-1 filename), which the stored JSON would turn into U+FFFD;
+// so are the body's bytes and a trailer's. Read from the wire by a client.
+func TestReplayKeepsHeaderBytes(t *testing.T) {
+	t.Parallel()
+	_, m := newMiddleware(t, idemhttp.Options{ReplayHeaders: []string{"Content-Disposition", "X-Sum"}})
+	const disposition = "attachment; filename=\"caf\xe9.txt\""
+	srv := httptest.NewServer(m.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Disposition", disposition)
+		w.Header().Set("Trailer", "X-Sum")
+		w.WriteHeader(http.StatusCreated)
+		_, _ = w.Write([]byte("\xff\xfe body"))
+		w.Header().Set("X-Sum", "\xe9")
+	})))
+	t.Cleanup(srv.Close)
+	for i := range 2 {
+		req, err := http.NewRequest(http.MethodPost, srv.URL+"/files", strings.NewReader("x"))
+		require.NoError(t, err)
+		req.Header.Set("Idempotency-Key", "k")
+		resp, err := srv.Client().Do(req)
+		require.NoError(t, err)
+		body, err := io.ReadAll(resp.Body)
+		require.NoError(t, err)
+		require.NoError(t, resp.Body.Close())
+		require.Equal(t, http.StatusCreated, resp.StatusCode)
+		require.Equal(t, disposition, resp.Header.Get("Content-Disposition"), "delivery %d", i+1)
+		require.Equal(t, "\xff\xfe body", string(body), "delivery %d", i+1)
+		require.Equal(t, "\xe9", resp.Trailer.Get("X-Sum"), "delivery %d", i+1)
+		require.Equal(t, i == 1, resp.Header.Get(idemhttp.ReplayedHeader) == "true", "delivery %d", i+1)
+	}
+}
