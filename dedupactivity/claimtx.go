@@ -162,7 +162,13 @@ func (c *Claim[Out]) openClaims() map[[32]byte]string {
 func (c *Claim[Out]) Outcome() Outcome { return c.outcome }
 
 // Stored is the first delivery's result, when the outcome is not
-// OutcomeClaimed (the zero value when results are discarded).
+// OutcomeClaimed (the zero value when results are discarded). After a
+// Complete that succeeded it is the result passed to Complete as the data
+// converter decodes it from what was stored, which is what a duplicate
+// gets: return it, not your own value, for both to return one value (a
+// converter's round trip changes some: an int64 in an any comes back a
+// float64). It is the value passed to Complete when results are discarded
+// or the converter cannot decode it.
 func (c *Claim[Out]) Stored() Out { return c.stored }
 
 // Complete records the effect's result in the marker, in the claim's
@@ -175,7 +181,8 @@ func (c *Claim[Out]) Complete(ctx context.Context, result Out) error {
 	if c.outcome != OutcomeClaimed || c.done {
 		return ErrNotClaimed
 	}
-	b, _, err := c.d.encodeResult(c.d.resultConverter(ctx, c.info, c.id), result)
+	dc := c.d.resultConverter(ctx, c.info, c.id)
+	b, _, err := c.d.encodeResult(dc, result)
 	if err != nil {
 		return err
 	}
@@ -194,6 +201,13 @@ func (c *Claim[Out]) Complete(ctx context.Context, result Out) error {
 		return fmt.Errorf("%w: the marker row was changed in the transaction", ErrTxEnded)
 	}
 	c.done = true // only now: one that failed (its context done before it was sent, say) may be called again
+	c.stored = result
+	if len(b) > 0 {
+		var decoded Out
+		if decodeResult(dc, b, &decoded) == nil {
+			c.stored = decoded // as a duplicate gets it (see Stored)
+		}
+	}
 	// The transaction is the claim's and still open, so its connection is
 	// this goroutine's (after Commit or Rollback a pool may have handed it
 	// to another, and the batch above failed).

@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	commonpb "go.temporal.io/api/common/v1"
 	"go.temporal.io/sdk/activity"
 	"go.temporal.io/sdk/temporal"
 	"go.temporal.io/sdk/worker"
@@ -171,8 +170,10 @@ func newWrapper[In, Out any](d *Deduper, fn EffectFunc[In, Out], opts []WrapOpti
 // an activity, prefer Wrap. The Outcome says what happened: OutcomeClaimed
 // when fn ran and committed, OutcomeDuplicate (or OutcomePayloadMismatch
 // under MismatchReturnStored) when the stored result was returned. Both
-// return the result as the data converter decodes it, so a first delivery
-// and a duplicate return equal values. WithBusinessKey does not apply (id
+// return the result as the data converter decodes it from what was stored,
+// so a first delivery and a duplicate return equal values (a wrapped
+// activity's too); with Options.DiscardResults a first delivery returns
+// fn's value and a duplicate the zero value. WithBusinessKey does not apply (id
 // is the identity) and is refused. Outside an activity a run-scoped id
 // (KindActivity, KindStandalone) is taken for a first attempt: its claim
 // rides with fn's first statement (see Round trips in the package
@@ -187,7 +188,7 @@ func Do[In, Out any](ctx context.Context, d *Deduper, id Identity, in In, fn Eff
 	if w.cfg.keyFn != nil {
 		return zero, OutcomeError, fmt.Errorf("%w: Do takes its identity as an argument; WithBusinessKey does not apply", ErrInvalidOptions)
 	}
-	out, a, err := w.apply(ctx, infoFor(ctx, id), id, in, true)
+	out, a, err := w.apply(ctx, infoFor(ctx, id), id, in)
 	return out, a.outcome, err
 }
 
@@ -211,7 +212,7 @@ func (w *wrapper[In, Out]) run(ctx context.Context, in In) (Out, error) {
 		}
 		id.Key = key
 	}
-	out, a, err := w.apply(ctx, info, id, in, false)
+	out, a, err := w.apply(ctx, info, id, in)
 	if a.outcome == OutcomeEffectError {
 		return out, err // the effect's own error reaches Temporal unchanged
 	}
@@ -221,10 +222,9 @@ func (w *wrapper[In, Out]) run(ctx context.Context, in In) (Out, error) {
 // apply runs one attempt of the event id: it validates the identity,
 // fingerprints a business-keyed input, traces the attempt, and claims and
 // applies. An identity it refuses is traced and counted too. A first
-// delivery returns the effect's value as it is, or, with decodeClaimed, as
-// the data converter decodes it (what a duplicate returns; the SDK does the
-// same round trip for an activity's result).
-func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Identity, in In, decodeClaimed bool) (out Out, a attempt, err error) {
+// delivery returns the effect's value as the data converter decodes it from
+// what was stored, which is what a duplicate returns.
+func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Identity, in In) (out Out, a attempt, err error) {
 	a.outcome = OutcomeError
 	m, err := w.d.newMarker(info, id, w.cfg.retention)
 	if err != nil {
@@ -259,15 +259,15 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 
 	dc := w.d.resultConverter(ctx, info, id)
 	var claimedOut Out
-	var claimedPayload *commonpb.Payload
+	var claimedResult []byte // as stored
 	a, err = w.d.claim(ctx, m, mayRide(id, info), func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
 		o, err := w.fn(ctx, tx, in)
 		if err != nil {
 			return nil, effectError{err}
 		}
 		claimedOut = o
-		b, p, err := w.d.encodeResult(dc, o)
-		claimedPayload = p
+		b, _, err := w.d.encodeResult(dc, o)
+		claimedResult = b
 		return b, err
 	})
 	if err != nil {
@@ -277,9 +277,13 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 		return out, a, err
 	}
 	if a.outcome == OutcomeClaimed {
-		if decodeClaimed && claimedPayload != nil {
-			err = fromPayload(dc, claimedPayload, &out)
-			return out, a, err
+		// Decoded from the bytes stored, as a duplicate's is, so that both
+		// return one value (a converter's round trip changes some: an
+		// int64 in an any comes back a float64, an empty []byte nil). The
+		// effect's own when results are discarded, or when the converter
+		// cannot decode what it encoded (a duplicate then fails on it).
+		if len(claimedResult) > 0 && decodeResult(dc, claimedResult, &out) == nil {
+			return out, a, nil
 		}
 		return claimedOut, a, nil
 	}
