@@ -147,7 +147,8 @@ type Message struct {
 
 	// Headers are sent with the message (HTTPSender: as HTTP headers). A
 	// name or value that HTTP does not allow (a space in a name, a line
-	// break in a value) is refused with ErrInvalidMessage.
+	// break in a value), a value that is not UTF-8, or two names that differ
+	// only in case are refused with ErrInvalidMessage.
 	Headers map[string]string
 
 	// Key, when set, is the message's idempotency key as it is, instead of

@@ -193,6 +193,8 @@ func TestEnqueueRejectsBadMessages(t *testing.T) {
 		"header value":   {Destination: "d", Key: "k", Headers: map[string]string{"X-Note": "a\r\nX-Injected: 1"}},
 		// Stored in jsonb, it would come back with U+FFFD for the byte.
 		"header value not UTF-8": {Destination: "d", Key: "k", Headers: map[string]string{"X-Name": "Jos\xe9"}},
+		// One header for HTTP: each send would carry either value.
+		"header names differing in case": {Destination: "d", Key: "k", Headers: map[string]string{"X-Tenant": "a", "x-tenant": "b"}},
 		// Text columns refuse these with SQLSTATE 22021, which a retry
 		// cannot fix.
 		"NUL in destination":    {Destination: "rece\x00ipts", Key: "k"},

@@ -9,6 +9,7 @@ import (
 	"maps"
 	"math"
 	"net/http"
+	"net/textproto"
 	"net/url"
 	"strconv"
 	"strings"
@@ -311,16 +312,28 @@ func Retryable(status int) bool {
 }
 
 // checkHeaders refuses header names and values net/http would refuse to
-// send, so such a message fails when enqueued, not at every send, and values
+// send, so such a message fails when enqueued, not at every send; values
 // that are not valid UTF-8, which the headers' jsonb column would store
-// changed (U+FFFD for each bad byte).
+// changed (U+FFFD for each bad byte); and two names that differ only in
+// case, one header for HTTP, whose value would be either at each send.
 func checkHeaders(h map[string]string) error {
+	var seen map[string]bool
 	for k, v := range h {
 		switch {
 		case !httpguts.ValidHeaderFieldName(k):
 			return fmt.Errorf("invalid header name %q", k)
 		case !httpguts.ValidHeaderFieldValue(v) || !utf8.ValidString(v):
 			return fmt.Errorf("invalid value of header %q (HTTP allows no control character; stored, it must be valid UTF-8)", k)
+		}
+		if len(h) > 1 {
+			if seen == nil {
+				seen = make(map[string]bool, len(h))
+			}
+			c := textproto.CanonicalMIMEHeaderKey(k)
+			if seen[c] {
+				return fmt.Errorf("header %q given twice, in names that differ only in case", c)
+			}
+			seen[c] = true
 		}
 	}
 	return nil
