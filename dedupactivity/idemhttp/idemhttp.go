@@ -169,9 +169,10 @@ type Options struct {
 	MaxBodyBytes int64
 
 	// ReplayHeaders are the response headers stored and replayed, as they
-	// were when the handler wrote its status. The Trailer header, which
-	// declares the trailers, is stored whatever this names, and so are the
-	// trailers.
+	// were when the handler wrote its status (names match in any case). The
+	// Trailer header, which declares the trailers, and a Content-Length the
+	// handler set, which frames the answer, are stored whatever this names,
+	// and so are the trailers.
 	//
 	// Defaults to Content-Type, Content-Encoding, Location and ETag.
 	ReplayHeaders []string
@@ -298,14 +299,21 @@ type response struct {
 }
 
 // stored is resp as it is stored: of its headers, only those names lists
-// (the ReplayHeaders) and the Trailer header, which declares the trailers
-// stored with it; values that are not UTF-8 as bytes. resp's own maps, which
-// the first delivery's answer is written from, are left as they are.
+// (the ReplayHeaders), the Trailer header, which declares the trailers
+// stored with it, and a Content-Length the handler set, which frames the
+// answer (a HEAD's says how long the body would be); values that are not
+// UTF-8 as bytes. A header is kept under the key the handler set it with,
+// which net/http sends as it is (an "ETag" set as a map key), and with no
+// value when the handler set none (a nil Content-Type stops net/http from
+// sniffing one). resp's own maps, which the first delivery's answer is
+// written from, are left as they are.
 func (resp response) stored(names []string) response {
 	h := http.Header{}
-	for _, n := range append([]string{"Trailer"}, names...) {
-		if v := resp.Header.Values(n); len(v) > 0 {
-			h[http.CanonicalHeaderKey(n)] = v
+	for _, n := range append([]string{"Trailer", "Content-Length"}, names...) {
+		for k, v := range resp.Header {
+			if strings.EqualFold(k, n) {
+				h[k] = v
+			}
 		}
 	}
 	resp.Header, resp.RawHeader = splitRaw(h)
