@@ -182,7 +182,7 @@ func (c *Claim[Out]) Complete(ctx context.Context, result Out) error {
 		return ErrNotClaimed
 	}
 	dc := c.d.resultConverter(ctx, c.info, c.id)
-	b, _, err := c.d.encodeResult(dc, result)
+	b, err := c.d.encodeResult(dc, result)
 	if err != nil {
 		return err
 	}

@@ -48,26 +48,25 @@ func (d *Deduper) resultConverter(ctx context.Context, info activity.Info, id Id
 }
 
 // encodeResult encodes an effect's result for the marker: a serialized
-// Temporal Payload (also returned, unserialized), or empty when results are
-// discarded.
-func (d *Deduper) encodeResult(dc converter.DataConverter, v any) ([]byte, *commonpb.Payload, error) {
+// Temporal Payload, or empty when results are discarded.
+func (d *Deduper) encodeResult(dc converter.DataConverter, v any) ([]byte, error) {
 	if d.opts.DiscardResults {
-		return []byte{}, nil, nil
+		return []byte{}, nil
 	}
 	p, err := dc.ToPayload(v)
 	if err != nil {
-		return nil, nil, fmt.Errorf("%w: encode result: %w", ErrEncoding, err)
+		return nil, fmt.Errorf("%w: encode result: %w", ErrEncoding, err)
 	}
 	b, err := marshalPayload(p)
 	if err != nil {
-		return nil, nil, fmt.Errorf("%w: marshal result payload: %w", ErrEncoding, err)
+		return nil, fmt.Errorf("%w: marshal result payload: %w", ErrEncoding, err)
 	}
 	// Measured as Temporal measures an activity's result against its payload
 	// size limit: the Payloads it completes with, this Payload in it.
 	if n := protowire.SizeTag(1) + protowire.SizeBytes(len(b)); n > d.opts.MaxResultBytes {
-		return nil, nil, fmt.Errorf("%w: %d bytes encoded (as Temporal sends it), MaxResultBytes is %d", ErrResultTooLarge, n, d.opts.MaxResultBytes)
+		return nil, fmt.Errorf("%w: %d bytes encoded (as Temporal sends it), MaxResultBytes is %d", ErrResultTooLarge, n, d.opts.MaxResultBytes)
 	}
-	return b, p, nil
+	return b, nil
 }
 
 // marshalPayload serializes p as proto.Marshal does with Deterministic set
@@ -125,11 +124,7 @@ func decodeResult(dc converter.DataConverter, b []byte, out any) error {
 	if err := proto.Unmarshal(b, &p); err != nil {
 		return fmt.Errorf("%w: unmarshal stored result: %w", ErrEncoding, err)
 	}
-	return fromPayload(dc, &p, out)
-}
-
-func fromPayload(dc converter.DataConverter, p *commonpb.Payload, out any) error {
-	if err := dc.FromPayload(p, out); err != nil {
+	if err := dc.FromPayload(&p, out); err != nil {
 		return fmt.Errorf("%w: decode stored result: %w", ErrEncoding, err)
 	}
 	return nil

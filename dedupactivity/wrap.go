@@ -266,7 +266,7 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 			return nil, effectError{err}
 		}
 		claimedOut = o
-		b, _, err := w.d.encodeResult(dc, o)
+		b, err := w.d.encodeResult(dc, o)
 		claimedResult = b
 		return b, err
 	})
