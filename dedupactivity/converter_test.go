@@ -129,17 +129,9 @@ func TestBusinessKeyResultAcrossWorkflows(t *testing.T) {
 // in an any becomes a float64).
 func TestDoReturnsTheSameValueFirstAndAgain(t *testing.T) {
 	t.Parallel()
-	b := setup(t, dedupactivity.Options{})
-	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "k"}
-	effect := func(ctx context.Context, tx pgx.Tx, in int) (map[string]any, error) {
+	first, again := doTwice(t, func(ctx context.Context, tx pgx.Tx, in int) (map[string]any, error) {
 		return map[string]any{"n": int64(in)}, nil
-	}
-	first, outcome, err := dedupactivity.Do(context.Background(), b.d, id, 7, effect)
-	require.NoError(t, err)
-	require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
-	again, outcome, err := dedupactivity.Do(context.Background(), b.d, id, 7, effect)
-	require.NoError(t, err)
-	require.Equal(t, dedupactivity.OutcomeDuplicate, outcome)
+	})
 	require.Equal(t, again, first)
 	require.IsType(t, float64(0), first["n"])
 }

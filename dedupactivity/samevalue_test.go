@@ -21,16 +21,23 @@ import (
 // memory and returned []byte{}.
 func TestDoEmptyBytesBothWays(t *testing.T) {
 	t.Parallel()
+	first, again := doTwice(t, func(ctx context.Context, tx pgx.Tx, in int) ([]byte, error) { return []byte{}, nil })
+	require.Equal(t, first, again, "first %#v, duplicate %#v", first, again)
+}
+
+// doTwice delivers one business-keyed event to Do twice, a first delivery
+// then a duplicate (both checked as such), and returns what each returned.
+func doTwice[Out any](t *testing.T, effect dedupactivity.EffectFunc[int, Out]) (first, again Out) {
+	t.Helper()
 	b := setup(t, dedupactivity.Options{})
-	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Sig", Key: "k"}
-	effect := func(ctx context.Context, tx pgx.Tx, in int) ([]byte, error) { return []byte{}, nil }
-	first, outcome, err := dedupactivity.Do(context.Background(), b.d, id, 1, effect)
+	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "k"}
+	first, outcome, err := dedupactivity.Do(context.Background(), b.d, id, 7, effect)
 	require.NoError(t, err)
 	require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
-	again, outcome, err := dedupactivity.Do(context.Background(), b.d, id, 1, effect)
+	again, outcome, err = dedupactivity.Do(context.Background(), b.d, id, 7, effect)
 	require.NoError(t, err)
 	require.Equal(t, dedupactivity.OutcomeDuplicate, outcome)
-	require.Equal(t, first, again, "first %#v, duplicate %#v", first, again)
+	return first, again
 }
 
 // TestWrappedResultBothWays: the workflow reads one value from a wrapped

@@ -700,16 +700,24 @@ func TestResponseIsSentAsNetHTTPSendsIt(t *testing.T) {
 
 // sent is a response as a client read it, without its Date.
 type sent struct {
-	proto           int
-	status          int
-	header, trailer http.Header
-	body            string
+	proto            int
+	status           int
+	header, trailer  http.Header
+	contentLength    int64
+	transferEncoding []string
+	body             string
 }
 
 // sendKeyed posts {} with the key "k" to srv.
 func sendKeyed(t *testing.T, srv *httptest.Server) sent {
 	t.Helper()
-	req, err := http.NewRequest(http.MethodPost, srv.URL, strings.NewReader("{}"))
+	return sendKeyedAs(t, srv, http.MethodPost)
+}
+
+// sendKeyedAs sends {} with the key "k" to srv by method.
+func sendKeyedAs(t *testing.T, srv *httptest.Server, method string) sent {
+	t.Helper()
+	req, err := http.NewRequest(method, srv.URL, strings.NewReader("{}"))
 	require.NoError(t, err)
 	req.Header.Set("Idempotency-Key", "k")
 	resp, err := srv.Client().Do(req)
@@ -718,7 +726,7 @@ func sendKeyed(t *testing.T, srv *httptest.Server) sent {
 	b, err := io.ReadAll(resp.Body)
 	require.NoError(t, err)
 	resp.Header.Del("Date")
-	return sent{resp.ProtoMajor, resp.StatusCode, resp.Header, resp.Trailer, string(b)}
+	return sent{resp.ProtoMajor, resp.StatusCode, resp.Header, resp.Trailer, resp.ContentLength, resp.TransferEncoding, string(b)}
 }
 
 // TestBodilessResponsesAsNetHTTP: a HEAD answer's body is not sent, first
@@ -1139,18 +1147,11 @@ func TestReplayKeepsHeaderBytes(t *testing.T) {
 	})))
 	t.Cleanup(srv.Close)
 	for i := range 2 {
-		req, err := http.NewRequest(http.MethodPost, srv.URL+"/files", strings.NewReader("x"))
-		require.NoError(t, err)
-		req.Header.Set("Idempotency-Key", "k")
-		resp, err := srv.Client().Do(req)
-		require.NoError(t, err)
-		body, err := io.ReadAll(resp.Body)
-		require.NoError(t, err)
-		require.NoError(t, resp.Body.Close())
-		require.Equal(t, http.StatusCreated, resp.StatusCode)
-		require.Equal(t, disposition, resp.Header.Get("Content-Disposition"), "delivery %d", i+1)
-		require.Equal(t, "\xff\xfe body", string(body), "delivery %d", i+1)
-		require.Equal(t, "\xe9", resp.Trailer.Get("X-Sum"), "delivery %d", i+1)
-		require.Equal(t, i == 1, resp.Header.Get(idemhttp.ReplayedHeader) == "true", "delivery %d", i+1)
+		got := sendKeyed(t, srv)
+		require.Equal(t, http.StatusCreated, got.status)
+		require.Equal(t, disposition, got.header.Get("Content-Disposition"), "delivery %d", i+1)
+		require.Equal(t, "\xff\xfe body", got.body, "delivery %d", i+1)
+		require.Equal(t, "\xe9", got.trailer.Get("X-Sum"), "delivery %d", i+1)
+		require.Equal(t, i == 1, got.header.Get(idemhttp.ReplayedHeader) == "true", "delivery %d", i+1)
 	}
 }

@@ -2,10 +2,8 @@ package idemhttp_test
 
 import (
 	"bytes"
-	"io"
 	"net/http"
 	"net/http/httptest"
-	"strings"
 	"testing"
 	"time"
 
@@ -52,29 +50,10 @@ func TestReplayIsTheFirstResponse(t *testing.T) {
 			_, m := newMiddleware(t, idemhttp.Options{ReplayHeaders: []string{"Content-Type", "Content-Encoding", "Location", "ETag", "Accept-Ranges"}})
 			srv := httptest.NewServer(m.Handler(c.handler))
 			t.Cleanup(srv.Close)
-			type answer struct {
-				Status           int
-				Header           http.Header
-				ContentLength    int64
-				TransferEncoding []string
-				Body             string
-			}
-			send := func() answer {
-				req, err := http.NewRequest(c.method, srv.URL+"/r", strings.NewReader(""))
-				require.NoError(t, err)
-				req.Header.Set("Idempotency-Key", "k")
-				resp, err := srv.Client().Do(req)
-				require.NoError(t, err)
-				defer resp.Body.Close()
-				b, err := io.ReadAll(resp.Body)
-				require.NoError(t, err)
-				resp.Header.Del("Date")
-				return answer{resp.StatusCode, resp.Header, resp.ContentLength, resp.TransferEncoding, string(b)}
-			}
-			first := send()
-			again := send()
-			require.Equal(t, "true", again.Header.Get(idemhttp.ReplayedHeader))
-			again.Header.Del(idemhttp.ReplayedHeader)
+			first := sendKeyedAs(t, srv, c.method)
+			again := sendKeyedAs(t, srv, c.method)
+			require.Equal(t, "true", again.header.Get(idemhttp.ReplayedHeader))
+			again.header.Del(idemhttp.ReplayedHeader)
 			require.Equal(t, first, again)
 		})
 	}
