@@ -31,8 +31,13 @@ import (
 // ignored in favour of the stored result. What that statement did outside
 // the transaction stays: a sequence's nextval, a session-level advisory lock
 // on the pooled connection (a session-level set_config does not: PostgreSQL
-// undoes it with the rollback). Do not call external systems
-// (email, payments, HTTP) from it; see the package documentation.
+// undoes it with the rollback). Once a call found the delivery a duplicate,
+// every later call on tx returns that error, a deferred
+// pg_advisory_unlock too (also when a concurrent attempt committed after
+// the first statement, found by a later call's claim): take transaction
+// locks (pg_advisory_xact_lock), which the rollback releases, not session
+// ones. Do not call external systems (email, payments, HTTP) from it; see
+// the package documentation.
 type EffectFunc[In, Out any] func(ctx context.Context, tx pgx.Tx, in In) (Out, error)
 
 // WrapOption configures one wrapped activity.
