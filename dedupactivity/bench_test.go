@@ -60,8 +60,7 @@ func BenchmarkDoDuplicate(b *testing.B) { benchDo(b, dedupactivity.Options{}, tr
 
 // BenchmarkDoRunScoped claims a run-scoped identity's first attempt, whose
 // claim rides with the effect's first statement as a wrapped activity's
-// does; Do also decodes the result it returns, which a wrapped activity
-// leaves to the SDK.
+// does, and decodes the result it stored, as a wrapped activity does too.
 func BenchmarkDoRunScoped(b *testing.B) {
 	benchDoID(b, dedupactivity.Options{}, func(key string) dedupactivity.Identity {
 		return dedupactivity.Identity{Kind: dedupactivity.KindActivity, Namespace: "default", WorkflowID: "w-" + key, RunID: "r", ActivityID: "1"}
