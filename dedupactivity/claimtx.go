@@ -201,13 +201,8 @@ func (c *Claim[Out]) Complete(ctx context.Context, result Out) error {
 		return fmt.Errorf("%w: the marker row was changed in the transaction", ErrTxEnded)
 	}
 	c.done = true // only now: one that failed (its context done before it was sent, say) may be called again
-	c.stored = result
-	if len(b) > 0 {
-		var decoded Out
-		if decodeResult(dc, b, &decoded) == nil {
-			c.stored = decoded // as a duplicate gets it (see Stored)
-		}
-	}
+	// As a duplicate gets it (see Stored).
+	c.stored = asStored(dc, b, result)
 	// The transaction is the claim's and still open, so its connection is
 	// this goroutine's (after Commit or Rollback a pool may have handed it
 	// to another, and the batch above failed).

@@ -118,6 +118,21 @@ func writePayload(p *commonpb.Payload) ([]byte, bool) {
 	return b, true
 }
 
+// asStored returns v, an effect's result, as a duplicate gets it: decoded
+// from b, the bytes stored for it, since a converter's round trip changes
+// some values (an int64 in an any comes back a float64, an empty []byte
+// nil). v itself when nothing was stored (results discarded) or the
+// converter cannot decode b (a duplicate then fails on it).
+func asStored[T any](dc converter.DataConverter, b []byte, v T) T {
+	if len(b) > 0 {
+		var out T
+		if decodeResult(dc, b, &out) == nil {
+			return out
+		}
+	}
+	return v
+}
+
 // decodeResult decodes a stored result into out (a pointer).
 func decodeResult(dc converter.DataConverter, b []byte, out any) error {
 	var p commonpb.Payload

@@ -264,16 +264,13 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 
 	dc := w.d.resultConverter(ctx, info, id)
 	var claimedOut Out
-	var claimedResult []byte // as stored
 	a, err = w.d.claim(ctx, m, mayRide(id, info), func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
 		o, err := w.fn(ctx, tx, in)
 		if err != nil {
 			return nil, effectError{err}
 		}
 		claimedOut = o
-		b, err := w.d.encodeResult(dc, o)
-		claimedResult = b
-		return b, err
+		return w.d.encodeResult(dc, o)
 	})
 	if err != nil {
 		if ee := (effectError{}); errors.As(err, &ee) {
@@ -282,15 +279,7 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 		return out, a, err
 	}
 	if a.outcome == OutcomeClaimed {
-		// Decoded from the bytes stored, as a duplicate's is, so that both
-		// return one value (a converter's round trip changes some: an
-		// int64 in an any comes back a float64, an empty []byte nil). The
-		// effect's own when results are discarded, or when the converter
-		// cannot decode what it encoded (a duplicate then fails on it).
-		if len(claimedResult) > 0 && decodeResult(dc, claimedResult, &out) == nil {
-			return out, a, nil
-		}
-		return claimedOut, a, nil
+		return asStored(dc, m.result, claimedOut), a, nil // what a duplicate returns
 	}
 	if len(a.result) == 0 {
 		return out, a, nil // results are not stored: the zero value

@@ -324,19 +324,8 @@ func (resp response) stored(names []string) response {
 // replayed is a stored response as it is written again: its raw values back
 // in its headers and trailers.
 func (resp response) replayed() response {
-	for k, vs := range resp.RawHeader {
-		if resp.Header == nil {
-			resp.Header = http.Header{}
-		}
-		resp.Header[k] = strs(vs)
-	}
-	for k, vs := range resp.RawTrailer {
-		if resp.Trailer == nil {
-			resp.Trailer = http.Header{}
-		}
-		resp.Trailer[k] = strs(vs)
-	}
-	resp.RawHeader, resp.RawTrailer = nil, nil
+	resp.Header, resp.RawHeader = joinRaw(resp.Header, resp.RawHeader), nil
+	resp.Trailer, resp.RawTrailer = joinRaw(resp.Trailer, resp.RawTrailer), nil
 	return resp
 }
 
@@ -363,12 +352,19 @@ func splitRaw(h http.Header) (http.Header, map[string][][]byte) {
 	return text, raw
 }
 
-func strs(bs [][]byte) []string {
-	out := make([]string, len(bs))
-	for i, b := range bs {
-		out[i] = string(b)
+// joinRaw undoes splitRaw: h with raw's values back in it.
+func joinRaw(h http.Header, raw map[string][][]byte) http.Header {
+	if len(raw) > 0 && h == nil {
+		h = http.Header{}
 	}
-	return out
+	for k, bs := range raw {
+		vs := make([]string, len(bs))
+		for i, b := range bs {
+			vs[i] = string(b)
+		}
+		h[k] = vs
+	}
+	return h
 }
 
 // passOnError is a handler response that is not stored: one asking for a retry

@@ -28,8 +28,9 @@
 // Schedule (RegisterRelay, EnsureRelaySchedule: each pass a visible
 // workflow with its RelayResult), or both. Relays lease messages with FOR
 // UPDATE SKIP LOCKED, so two relays do not send one message at the same
-// time while its lease holds (a send is cut at the lease's end); a relay that dies between send and acknowledgement leaves a lease
-// that expires, and the message is sent again with the same key. Failed
+// time while its lease holds (a send is cut at the lease's end); a relay
+// that dies between send and acknowledgement leaves a lease that expires,
+// and the message is sent again with the same key. Failed
 // sends back off exponentially; a permanent failure (ErrPermanent) or
 // RelayConfig.MaxAttempts failures make the message dead, with its last
 // error.
