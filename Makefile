@@ -180,6 +180,7 @@ lint: $(STATICCHECK) ## gofmt, go vet, staticcheck and govulncheck (tools built 
 	@$(MAKE) --no-print-directory vulncheck
 
 .PHONY: fuzz
-fuzz: ## Short fuzz runs of identity encoding and input fingerprinting (FUZZTIME executions each).
+fuzz: ## Short fuzz runs of identity encoding, input fingerprinting and stored-result reading (FUZZTIME executions each).
 	$(GO) test ./dedupactivity -run '^$$' -fuzz FuzzIdentityEncode -fuzztime $(FUZZTIME)
 	$(GO) test ./dedupactivity -run '^$$' -fuzz FuzzFingerprint -fuzztime $(FUZZTIME)
+	$(GO) test ./dedupactivity -run '^$$' -fuzz FuzzUnmarshalPayload -fuzztime $(FUZZTIME)

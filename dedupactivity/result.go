@@ -1,6 +1,7 @@
 package dedupactivity
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"slices"
@@ -135,12 +136,90 @@ func asStored[T any](dc converter.DataConverter, b []byte, v T) T {
 
 // decodeResult decodes a stored result into out (a pointer).
 func decodeResult(dc converter.DataConverter, b []byte, out any) error {
-	var p commonpb.Payload
-	if err := proto.Unmarshal(b, &p); err != nil {
+	p, err := unmarshalPayload(b)
+	if err != nil {
 		return fmt.Errorf("%w: unmarshal stored result: %w", ErrEncoding, err)
 	}
-	if err := dc.FromPayload(&p, out); err != nil {
+	if err := dc.FromPayload(p, out); err != nil {
 		return fmt.Errorf("%w: decode stored result: %w", ErrEncoding, err)
 	}
 	return nil
+}
+
+// unmarshalPayload reads b as proto.Unmarshal does into a Payload.
+// readPayload reads what writePayload writes; the rest goes through
+// proto.Unmarshal, whose reflection cost as much as the rest of a stored
+// result's decoding, on every first delivery and every duplicate.
+func unmarshalPayload(b []byte) (*commonpb.Payload, error) {
+	if p, ok := readPayload(b); ok {
+		return p, nil
+	}
+	p := &commonpb.Payload{}
+	if err := proto.Unmarshal(b, p); err != nil {
+		return nil, err
+	}
+	return p, nil
+}
+
+// readPayload reads b as proto.Unmarshal would, or returns false for what
+// it does not read: anything but metadata entries of a UTF-8 key and a
+// value, each once, and data that is not empty, at most once. It copies
+// what it keeps, as proto.Unmarshal does, since b may be the connection's
+// read buffer. FuzzUnmarshalPayload compares the two.
+func readPayload(b []byte) (*commonpb.Payload, bool) {
+	p := &commonpb.Payload{}
+	for len(b) > 0 {
+		num, typ, n := protowire.ConsumeTag(b)
+		if n < 0 || typ != protowire.BytesType {
+			return nil, false
+		}
+		v, m := protowire.ConsumeBytes(b[n:])
+		if m < 0 {
+			return nil, false
+		}
+		b = b[n+m:]
+		switch num {
+		case 1:
+			k, val, ok := readEntry(v)
+			if !ok {
+				return nil, false
+			}
+			if _, seen := p.Metadata[k]; seen {
+				return nil, false
+			}
+			if p.Metadata == nil {
+				p.Metadata = make(map[string][]byte, 1)
+			}
+			p.Metadata[k] = val
+		case 2:
+			if len(v) == 0 || p.Data != nil {
+				return nil, false
+			}
+			p.Data = bytes.Clone(v)
+		default:
+			return nil, false
+		}
+	}
+	return p, true
+}
+
+// readEntry reads a metadata entry as writePayload writes it: its key
+// (field 1) and then its value (field 2), nothing else.
+func readEntry(b []byte) (string, []byte, bool) {
+	var field [2][]byte
+	for i := range field {
+		num, typ, n := protowire.ConsumeTag(b)
+		if n < 0 || num != protowire.Number(i+1) || typ != protowire.BytesType {
+			return "", nil, false
+		}
+		v, m := protowire.ConsumeBytes(b[n:])
+		if m < 0 {
+			return "", nil, false
+		}
+		field[i], b = v, b[n+m:]
+	}
+	if len(b) > 0 || !utf8.Valid(field[0]) {
+		return "", nil, false
+	}
+	return string(field[0]), append([]byte{}, field[1]...), true
 }
