@@ -134,6 +134,7 @@ const (
 	DefaultMaxRequeues  = 3
 	DefaultReconcileMax = 1000
 	DefaultMaxWait      = time.Hour
+	DefaultKeyRetention = 24 * time.Hour
 )
 
 // ReconcilerConfig configures a Reconciler.
@@ -156,6 +157,20 @@ type ReconcilerConfig struct {
 	//
 	// Defaults to DefaultMaxRequeues (3).
 	MaxRequeues int
+
+	// KeyRetention is how long the destinations keep a message's
+	// idempotency key, and answer about it, after they apply it. A dead
+	// message enqueued longer ago than this is not re-queued when its
+	// destination says it did not apply it: the destination may have
+	// applied it and forgotten the key, and a re-send would apply it
+	// again. It is reported instead, for a person to settle. Set it to the
+	// shortest retention of the destinations, less the clock difference
+	// between this database and theirs: a destination behind idemhttp
+	// keeps keys for its Deduper's Retention (30 days by default); Stripe
+	// may remove a key once it is 24 hours old.
+	//
+	// Defaults to DefaultKeyRetention (24h).
+	KeyRetention time.Duration
 
 	// MaxMessages bounds the messages one Reconcile call looks at.
 	//
@@ -220,6 +235,9 @@ func NewReconciler(ob *Outbox, cfg ReconcilerConfig) (*Reconciler, error) {
 	if cfg.MaxWait == 0 {
 		cfg.MaxWait = DefaultMaxWait
 	}
+	if cfg.KeyRetention == 0 {
+		cfg.KeyRetention = DefaultKeyRetention
+	}
 	if cfg.TracerProvider == nil {
 		cfg.TracerProvider = otel.GetTracerProvider()
 	}
@@ -250,6 +268,8 @@ func NewReconciler(ob *Outbox, cfg ReconcilerConfig) (*Reconciler, error) {
 		return nil, fmt.Errorf("%w: ReconcilerConfig.MaxRequeues must be -1 (none), 0 (the default) or more, got %d", ErrInvalidConfig, cfg.MaxRequeues)
 	case cfg.MaxMessages < 1:
 		return nil, fmt.Errorf("%w: ReconcilerConfig.MaxMessages must be at least 1, got %d", ErrInvalidConfig, cfg.MaxMessages)
+	case cfg.KeyRetention < time.Second:
+		return nil, fmt.Errorf("%w: ReconcilerConfig.KeyRetention must be 0 (the default) or at least 1s, got %s", ErrInvalidConfig, cfg.KeyRetention)
 	case cfg.MaxWait < 0:
 		return nil, fmt.Errorf("%w: ReconcilerConfig.MaxWait must be 0 (the default) or more, got %s", ErrInvalidConfig, cfg.MaxWait)
 	}
@@ -351,7 +371,7 @@ type Unresolved struct {
 	Attempts    int
 	LastError   string
 	// Reason says why: the check failed (unknown), or a dead message ran
-	// out of re-queues.
+	// out of re-queues or is older than KeyRetention.
 	Reason string
 }
 
@@ -380,29 +400,31 @@ func (rc *Reconciler) Reconcile(ctx context.Context) (rep ReconcileReport, err e
 	// Destinations that asked to wait are left out, so that their messages
 	// cannot take the run's MaxMessages places from the others'.
 	rep.Waiting = rc.waits.active(time.Now())
-	rows, err := rc.ob.pool.Query(ctx, `SELECT id, idempotency_key, destination, name, headers, payload, attempts, requeues, state, coalesce(last_error, '')
+	rows, err := rc.ob.pool.Query(ctx, `SELECT id, idempotency_key, destination, name, headers, payload, attempts, requeues, state, coalesce(last_error, ''),
+  created_at < now() - make_interval(secs => $5)
 FROM `+t+`
 WHERE (state = 'dead'
    OR (state = 'pending' AND unacked_since < now() - make_interval(secs => $1))
    OR (state = 'sending' AND lease_until < now() AND unacked_since < now() - make_interval(secs => $1)))
   AND destination <> ALL($4::text[])
-ORDER BY (state = 'dead' AND requeues >= $3), checked_at NULLS FIRST, id LIMIT $2`, rc.cfg.UnackedAfter.Seconds(), rc.cfg.MaxMessages, rc.cfg.MaxRequeues, destinations(rep.Waiting))
+ORDER BY (state = 'dead' AND requeues >= $3), checked_at NULLS FIRST, id LIMIT $2`, rc.cfg.UnackedAfter.Seconds(), rc.cfg.MaxMessages, rc.cfg.MaxRequeues, destinations(rep.Waiting), rc.cfg.KeyRetention.Seconds())
 	if err != nil {
 		return rep, fmt.Errorf("outbox: reconcile: %w", translate(err))
 	}
 	type candidate struct {
-		d          Delivery
-		requeues   int
-		state      State
-		lastError  string
-		unreadable error // why the headers could not be read
+		d            Delivery
+		requeues     int
+		state        State
+		lastError    string
+		unreadable   error // why the headers could not be read
+		keyMayBeGone bool  // enqueued longer ago than KeyRetention
 	}
 	var cands []candidate
 	for rows.Next() {
 		var c candidate
 		var state string
 		var headers []byte
-		if err := rows.Scan(&c.d.ID, &c.d.Key, &c.d.Destination, &c.d.Name, &headers, &c.d.Payload, &c.d.Attempt, &c.requeues, &state, &c.lastError); err != nil {
+		if err := rows.Scan(&c.d.ID, &c.d.Key, &c.d.Destination, &c.d.Name, &headers, &c.d.Payload, &c.d.Attempt, &c.requeues, &state, &c.lastError, &c.keyMayBeGone); err != nil {
 			rows.Close()
 			return rep, fmt.Errorf("outbox: reconcile: %w", err)
 		}
@@ -489,6 +511,9 @@ WHERE id = $1 AND state = $2 AND attempts = $3`
 		case applied:
 			sql = `UPDATE ` + t + ` SET state = 'applied', settled_at = now(), lease_until = NULL, unacked_since = NULL, in_send = false
 WHERE id = $1 AND state = $2 AND attempts = $3`
+		case c.state == StateDead && c.keyMayBeGone:
+			unresolved(fmt.Sprintf("not applied at the destination by its answer, but enqueued more than KeyRetention (%s) ago: the destination may have applied it and forgotten its key, so it is not re-queued", rc.cfg.KeyRetention))
+			continue
 		case c.state == StateDead && c.requeues >= rc.cfg.MaxRequeues:
 			unresolved(fmt.Sprintf("not applied at the destination; dead after %d re-queues", c.requeues))
 			continue

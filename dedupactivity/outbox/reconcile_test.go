@@ -23,6 +23,7 @@ import (
 	"go.temporal.io/sdk/testsuite"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/dedupactivity/dedupactivity/dedupactivity"
 	"github.com/dedupactivity/dedupactivity/dedupactivity/idemhttp"
 	"github.com/dedupactivity/dedupactivity/dedupactivity/outbox"
 	"github.com/dedupactivity/dedupactivity/internal/pgtest"
@@ -255,6 +256,64 @@ func TestReconcilerRequeuesDeadLettersNotApplied(t *testing.T) {
 	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE idempotency_key = $1 AND state = 'dead' AND requeues = 0`, keys3[0]))
 	_, err = outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{Checker: rv.checker(), MaxRequeues: -2})
 	require.ErrorIs(t, err, outbox.ErrInvalidConfig)
+}
+
+// TestReconcilerLeavesOldDeadLettersToAPerson: a message the destination
+// applied, its response lost, then dead longer than the destination keeps
+// keys. The destination pruned the key and answers 404, "not applied": a
+// re-send would apply it again. The reconciler reports it instead of
+// re-queuing it; with a KeyRetention longer than the message's age it is
+// re-queued as any dead letter not applied.
+func TestReconcilerLeavesOldDeadLettersToAPerson(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	rv := newReceiver(t)
+	rv.dropResponse.Store(true)
+	keys := b.placeN(t, 1)
+	r := b.relayTo(t, rv.URL+"/receipts", outbox.RelayConfig{MaxAttempts: 1})
+	res, err := r.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, outbox.RelayResult{Dead: 1}, res)
+	require.Equal(t, 1, rv.applied(t, keys[0]), "applied at the destination, its response lost")
+
+	// 25 hours later the destination's key expired and was pruned.
+	_, err = rv.schema.Pool.Exec(ctx, `UPDATE dedup_marker SET expires_at = now() - interval '1 second'`)
+	require.NoError(t, err)
+	d, err := dedupactivity.New(rv.schema.Pool, dedupactivity.Options{})
+	require.NoError(t, err)
+	n, err := d.Prune(ctx)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), n)
+	_, err = b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET created_at = created_at - interval '25 hours'`)
+	require.NoError(t, err)
+	rv.dropResponse.Store(false)
+
+	rc, err := outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{Checker: rv.checker()})
+	require.NoError(t, err)
+	rep, err := rc.Reconcile(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 1, rep.Checked)
+	require.Zero(t, rep.Requeued)
+	require.Len(t, rep.Unresolved, 1)
+	require.Equal(t, keys[0], rep.Unresolved[0].Key)
+	require.Contains(t, rep.Unresolved[0].Reason, "KeyRetention (24h0m0s)")
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'dead' AND requeues = 0`))
+	res, err = r.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, outbox.RelayResult{}, res, "nothing to send")
+	require.Equal(t, 1, rv.applied(t, keys[0]), "applied once")
+
+	longer, err := outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{Checker: rv.checker(), KeyRetention: 26 * time.Hour})
+	require.NoError(t, err)
+	rep, err = longer.Reconcile(ctx)
+	require.NoError(t, err)
+	require.Equal(t, outbox.ReconcileReport{Checked: 1, Requeued: 1}, rep, "younger than its KeyRetention: re-queued")
+
+	for _, bad := range []time.Duration{-time.Hour, time.Millisecond} {
+		_, err = outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{Checker: rv.checker(), KeyRetention: bad})
+		require.ErrorIs(t, err, outbox.ErrInvalidConfig, bad)
+	}
 }
 
 // TestReconcilerDoesNotCallRejectedApplied: the destination committed a
