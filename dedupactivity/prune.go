@@ -124,8 +124,10 @@ func pruneWorkflow(ctx workflow.Context, activityName string) (PruneResult, erro
 // with the given ID that runs the pruning workflow (DedupPrune) for d every
 // interval on taskQueue (where RegisterPruner registered it). Overlapping runs are
 // skipped. It is idempotent and safe to call from every worker at start;
-// when the Schedule exists with another interval, task queue or pruner,
-// it is given these; its other settings stay.
+// when the Schedule exists with another interval or task queue, it is
+// given these; its other settings stay. A Schedule with the ID that runs
+// another Deduper's pruner (another table's: the ID given to two
+// Dedupers) is left as it is, and the error wraps ErrInvalidOptions.
 //
 // interval must be at least 1m. In the partitioned layout it must also let
 // two runs happen within the partitions made ahead (2 x interval <=
@@ -151,6 +153,9 @@ func EnsurePruneSchedule(ctx context.Context, c client.Client, d *Deduper, sched
 			TaskQueue: taskQueue,
 		},
 	})
+	if errors.Is(err, schedule.ErrTaken) {
+		return fmt.Errorf("%w: ensure prune schedule for %s: %w", ErrInvalidOptions, d.pruneActivityName(), err)
+	}
 	if err != nil {
 		return fmt.Errorf("dedupactivity: ensure prune schedule %q: %w", scheduleID, err)
 	}

@@ -2,6 +2,7 @@ package outbox
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
@@ -106,8 +107,10 @@ func withSweepOptions(ctx workflow.Context) workflow.Context {
 // given ID that runs the relay workflow for r every interval on taskQueue (where
 // RegisterRelay registered it). Overlapping runs are skipped. It is
 // idempotent and safe to call from every worker at start; when the Schedule
-// exists with another interval, task queue or relay, it is given these;
-// its other settings stay.
+// exists with another interval or task queue, it is given these; its other
+// settings stay. A Schedule with the ID that runs other work (another
+// outbox's relay, or a reconciler) is left as it is, and the error wraps
+// ErrInvalidConfig.
 func EnsureRelaySchedule(ctx context.Context, c client.Client, r *Relay, scheduleID, taskQueue string, interval time.Duration) error {
 	return ensureSchedule(ctx, c, scheduleID, taskQueue, interval, relayWorkflowName, r.relayActivityName())
 }
@@ -133,6 +136,9 @@ func ensureSchedule(ctx context.Context, c client.Client, id, taskQueue string, 
 		Overlap: enumspb.SCHEDULE_OVERLAP_POLICY_SKIP,
 		Action:  &client.ScheduleWorkflowAction{ID: id, Workflow: wf, Args: []any{act}, TaskQueue: taskQueue},
 	})
+	if errors.Is(err, schedule.ErrTaken) {
+		return fmt.Errorf("%w: ensure schedule: %w", ErrInvalidConfig, err)
+	}
 	if err != nil {
 		return fmt.Errorf("outbox: ensure schedule %q: %w", id, err)
 	}

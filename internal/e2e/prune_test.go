@@ -111,3 +111,32 @@ func TestScheduleIntervalFollowsTheLastStart(t *testing.T) {
 	var res dedupactivity.PruneResult
 	require.NoError(t, b.client.GetWorkflow(ctx, run.StartWorkflowResult.WorkflowID, run.StartWorkflowResult.FirstExecutionRunID).Get(ctx, &res))
 }
+
+// TestScheduleIDTakenByAnotherPruner: a second Deduper (another table)
+// given the prune Schedule's ID of the first is refused, and the Schedule
+// keeps pruning the first table; otherwise each start would take the
+// Schedule from the other, and one table would go unpruned.
+func TestScheduleIDTakenByAnotherPruner(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	id := ledgerworker.PruneScheduleID(b.taskQueue)
+	h := b.client.ScheduleClient().GetHandle(ctx, id)
+	t.Cleanup(func() { _ = h.Delete(context.Background()) })
+	args := func() []any {
+		desc, err := h.Describe(ctx)
+		require.NoError(t, err)
+		return desc.Schedule.Action.(*client.ScheduleWorkflowAction).Args
+	}
+	before := args()
+
+	other, err := dedupactivity.New(b.pool, dedupactivity.Options{Table: "other_marker"})
+	require.NoError(t, err)
+	err = dedupactivity.EnsurePruneSchedule(ctx, b.client, other, id, b.taskQueue, time.Hour)
+	require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions)
+	require.ErrorContains(t, err, "dedup_marker")
+	require.ErrorContains(t, err, "other_marker")
+	require.Equal(t, before, args(), "the first table's pruner kept")
+	require.NoError(t, dedupactivity.EnsurePruneSchedule(ctx, b.client, b.worker.Deduper, id, b.taskQueue, time.Hour), "its own Deduper still ensures it")
+}
