@@ -10,6 +10,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 
@@ -62,6 +63,9 @@ var markerColumns = []string{"id_hash", "attempt", "claimed_at", "expires_at", "
 // catalog.
 const migrateLockKey int64 = 0x6465_6475_705f_6d69 // "dedup_mi"
 
+// migrateLockTimeout bounds Migrate's wait for a table lock (see Migrate).
+const migrateLockTimeout = 500 * time.Millisecond
+
 // Migrate creates the marker table (and its schema, when Options.Schema is
 // set) if it is not there yet. It is safe to run from many workers at once
 // and after a migration tool applied the files of the migrations package:
@@ -73,7 +77,11 @@ const migrateLockKey int64 = 0x6465_6475_705f_6d69 // "dedup_mi"
 //   - Otherwise it applies the migrations in one transaction under an
 //     advisory lock and records them in a table named <Table>_migration.
 //     The files are idempotent, so a table dropped by hand or by the down
-//     files is simply made again.
+//     files is simply made again. A lock on an existing table is waited
+//     for at most migrateLockTimeout (500ms), so that a long transaction
+//     on it does not hold every claim behind the migration's lock request;
+//     the error then has SQLSTATE 55P03 (lock_not_available): call Migrate
+//     again.
 //   - A version recorded by a newer release of this package fails with
 //     ErrSchemaTooNew.
 //   - A table of the other layout (partitioned, or not, against
@@ -180,6 +188,11 @@ func (d *Deduper) applyMigrations(ctx context.Context, migs []migration, version
 		if _, err := tx.Exec(ctx, advisoryXactLockSQL, migrateLockKey); err != nil {
 			return fmt.Errorf("dedupactivity: migrate: advisory lock: %w", err)
 		}
+		// After the advisory lock, which waits for other Migrates as long
+		// as they take.
+		if _, err := tx.Exec(ctx, setLocalLockTimeoutSQL, string(appendLockTimeout(nil, migrateLockTimeout))); err != nil {
+			return fmt.Errorf("dedupactivity: migrate: lock_timeout: %w", err)
+		}
 		if d.opts.Schema != "" {
 			schema := pgx.Identifier{d.opts.Schema}.Sanitize()
 			// The files name tables unqualified.
@@ -205,6 +218,9 @@ func (d *Deduper) applyMigrations(ctx context.Context, migs []migration, version
 		for _, m := range migs {
 			sql := strings.ReplaceAll(m.up, migrations.TableToken, d.opts.Table)
 			if _, err := tx.Exec(ctx, sql); err != nil {
+				if sqlState(err) == "55P03" {
+					return fmt.Errorf("dedupactivity: migrate: apply %03d_%s: a transaction held the table for longer than %s (retry): %w", m.version, m.name, migrateLockTimeout, err)
+				}
 				return fmt.Errorf("dedupactivity: migrate: apply %03d_%s: %w", m.version, m.name, err)
 			}
 			if _, err := tx.Exec(ctx, recordVersionSQL(versionTable), m.version, m.name); err != nil {

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	"go.temporal.io/sdk/activity"
@@ -83,6 +84,43 @@ func TestMigrateMakesAMissingFunction(t *testing.T) {
 			require.Equal(t, int64(1), b.count(t, `SELECT count(*) FROM pg_proc WHERE proname = $1 AND pronamespace = $2::regnamespace`, fn, b.schema.Name))
 		})
 	}
+}
+
+// TestMigrateWaitsBrieflyForTheTable: a Migrate that has work to do (a
+// function missing) behind a long claim transaction gives up its wait for
+// the table's lock after migrateLockTimeout with SQLSTATE 55P03, instead
+// of waiting as long as that transaction with every new claim queued
+// behind its lock request; called again once the table is free, it makes
+// the function.
+func TestMigrateWaitsBrieflyForTheTable(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	ctx := context.Background()
+	_, err := b.pool.Exec(ctx, `DROP FUNCTION dedup_marker_moved()`)
+	require.NoError(t, err)
+	holder, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	defer holder.Rollback(ctx)
+	_, err = holder.Exec(ctx, `INSERT INTO dedup_marker (id_hash, activity_type, attempt, expires_at) VALUES (sha256('x'), 'T', 1, now() + interval '1 day')`)
+	require.NoError(t, err)
+
+	migrated := make(chan error, 1)
+	began := time.Now()
+	go func() { migrated <- b.d.Migrate(ctx) }()
+	select {
+	case err = <-migrated:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Migrate still waits for the long transaction")
+	}
+	var pgErr *pgconn.PgError
+	require.ErrorAs(t, err, &pgErr)
+	require.Equal(t, "55P03", pgErr.Code, "%v", err)
+	require.ErrorContains(t, err, "held the table")
+	require.Less(t, time.Since(began), 5*time.Second)
+
+	require.NoError(t, holder.Rollback(ctx))
+	require.NoError(t, b.d.Migrate(ctx))
+	require.Equal(t, int64(1), b.count(t, `SELECT count(*) FROM pg_proc WHERE proname = 'dedup_marker_moved' AND pronamespace = $1::regnamespace`, b.schema.Name))
 }
 
 // upFiles returns the up SQL files of a layout, as a migration tool reads

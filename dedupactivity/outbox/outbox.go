@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/metric"
@@ -391,6 +392,9 @@ func (ob *Outbox) prune(ctx context.Context, afterBatch func(deleted int64)) (in
 	}
 }
 
+// migrateLockTimeout bounds Migrate's wait for a table lock (see Migrate).
+const migrateLockTimeout = 500 * time.Millisecond
+
 var migrationFileRE = regexp.MustCompile(`^(\d{3})_([a-z0-9_]+)\.(up|down)\.sql$`)
 
 // Migrate creates or upgrades the outbox table (and its schema). It is
@@ -399,7 +403,11 @@ var migrationFileRE = regexp.MustCompile(`^(\d{3})_([a-z0-9_]+)\.(up|down)\.sql$
 // keyed by the table, and records applied versions in <Table>_migration.
 // On an up-to-date table it only reads that record, so a role without
 // CREATE (one granted SELECT on <Table>_migration and what the relay
-// needs) can call it at every start.
+// needs) can call it at every start. A lock on an existing table is
+// waited for at most 500ms (migrateLockTimeout), so that a long
+// transaction on the outbox does not hold every Enqueue behind the
+// migration's lock request; the error then has SQLSTATE 55P03
+// (lock_not_available): call Migrate again.
 func (ob *Outbox) Migrate(ctx context.Context) error {
 	names, err := fs.Glob(outbox.FS, "*.up.sql")
 	if err != nil {
@@ -426,6 +434,11 @@ func (ob *Outbox) Migrate(ctx context.Context) error {
 	defer tx.Rollback(context.WithoutCancel(ctx)) // no-op after commit
 	if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1)`, ob.lockKey("migrate")); err != nil {
 		return fmt.Errorf("outbox: migrate: advisory lock: %w", err)
+	}
+	// After the advisory lock, which waits for other Migrates as long as
+	// they take.
+	if _, err := tx.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`, fmt.Sprintf("%dms", migrateLockTimeout.Milliseconds())); err != nil {
+		return fmt.Errorf("outbox: migrate: lock_timeout: %w", err)
 	}
 	if ob.opts.Schema != "" {
 		schema := pgx.Identifier{ob.opts.Schema}.Sanitize()
@@ -473,6 +486,9 @@ func (ob *Outbox) Migrate(ctx context.Context) error {
 		}
 		sql := strings.ReplaceAll(string(body), outbox.TableToken, ob.opts.Table)
 		if _, err := tx.Exec(ctx, sql); err != nil {
+			if pgErr := (*pgconn.PgError)(nil); errors.As(err, &pgErr) && pgErr.Code == "55P03" {
+				return fmt.Errorf("outbox: migrate: apply %s: a transaction held the table for longer than %s (retry): %w", n, migrateLockTimeout, err)
+			}
 			return fmt.Errorf("outbox: migrate: apply %s: %w", n, err)
 		}
 		if _, err := tx.Exec(ctx, `INSERT INTO `+versions+` (version, name) VALUES ($1, $2) ON CONFLICT (version) DO NOTHING`, v, m[2]); err != nil {

@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	"go.temporal.io/sdk/activity"
@@ -340,6 +341,61 @@ func TestMigrateUpgradesToRejected(t *testing.T) {
 	require.NoError(t, b.schema.Pool.QueryRow(ctx, `SELECT indexdef FROM pg_indexes WHERE indexname = 'dedup_outbox_settled_idx' AND schemaname = current_schema()`).Scan(&def))
 	require.Contains(t, def, "rejected")
 	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM pg_constraint WHERE conname = 'dedup_outbox_state_check' AND connamespace = current_schema()::regnamespace`))
+}
+
+// TestMigrateWaitsBrieflyForTheTable: an upgrade's Migrate behind a long
+// transaction that holds the outbox (an effect still running after its
+// Enqueue) gives up its lock wait after migrateLockTimeout with SQLSTATE
+// 55P03, instead of waiting as long as that transaction with every other
+// Enqueue queued behind its lock request; called again once the table is
+// free, it upgrades it.
+func TestMigrateWaitsBrieflyForTheTable(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	down, err := fs.ReadFile(outboxsql.FS, "003_reconcile_and_stalls.down.sql")
+	require.NoError(t, err)
+	_, err = b.schema.Pool.Exec(ctx, string(down)+`; DELETE FROM dedup_outbox_migration WHERE version = 3`)
+	require.NoError(t, err)
+
+	holder, err := b.schema.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer holder.Rollback(ctx)
+	_, err = holder.Exec(ctx, `SELECT count(*) FROM dedup_outbox`)
+	require.NoError(t, err)
+
+	migrated := make(chan error, 1)
+	began := time.Now()
+	go func() { migrated <- b.ob.Migrate(ctx) }()
+	time.Sleep(100 * time.Millisecond) // Migrate waits for the table
+	placed := make(chan time.Duration, 1)
+	go func() {
+		start := time.Now()
+		tx, err := b.schema.Pool.Begin(ctx)
+		if err == nil {
+			_, err = b.ob.Enqueue(ctx, tx, outbox.Message{Key: "o1", Destination: "receipts", Name: "receipt", Payload: []byte("{}")})
+			err = errors.Join(err, tx.Commit(ctx))
+		}
+		if err != nil {
+			start = time.Time{} // reported as a wait of ages
+		}
+		placed <- time.Since(start)
+	}()
+	select {
+	case err = <-migrated:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Migrate still waits for the long transaction")
+	}
+	var pgErr *pgconn.PgError
+	require.ErrorAs(t, err, &pgErr)
+	require.Equal(t, "55P03", pgErr.Code, "%v", err)
+	require.ErrorContains(t, err, "held the table")
+	require.Less(t, time.Since(began), 5*time.Second)
+	require.Less(t, <-placed, 2*time.Second, "an Enqueue waited only while Migrate did")
+
+	require.NoError(t, holder.Rollback(ctx))
+	require.NoError(t, b.ob.Migrate(ctx))
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox_migration WHERE version = 3`))
 }
 
 func pgtestDrop(s *pgtest.Schema, schema string) (int, error) {

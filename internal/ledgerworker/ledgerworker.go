@@ -588,7 +588,8 @@ func retry(ctx context.Context, giveUp time.Duration, fn func(context.Context) e
 func transient(err error) bool {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
-		return strings.HasPrefix(pgErr.Code, "08") || strings.HasPrefix(pgErr.Code, "57P") || pgErr.Code == "25006"
+		// 55P03: a migration's lock wait ran out (Migrate bounds it).
+		return strings.HasPrefix(pgErr.Code, "08") || strings.HasPrefix(pgErr.Code, "57P") || pgErr.Code == "25006" || pgErr.Code == "55P03"
 	}
 	var netErr net.Error
 	var connectErr *pgconn.ConnectError
