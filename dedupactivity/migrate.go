@@ -218,7 +218,7 @@ func (d *Deduper) applyMigrations(ctx context.Context, migs []migration, version
 		for _, m := range migs {
 			sql := strings.ReplaceAll(m.up, migrations.TableToken, d.opts.Table)
 			if _, err := tx.Exec(ctx, sql); err != nil {
-				if sqlState(err) == "55P03" {
+				if sqlState(err) == stateLockNotAvailable {
 					return fmt.Errorf("dedupactivity: migrate: apply %03d_%s: a transaction held the table for longer than %s (retry): %w", m.version, m.name, migrateLockTimeout, err)
 				}
 				return fmt.Errorf("dedupactivity: migrate: apply %03d_%s: %w", m.version, m.name, err)

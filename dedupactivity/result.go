@@ -169,15 +169,11 @@ func unmarshalPayload(b []byte) (*commonpb.Payload, error) {
 func readPayload(b []byte) (*commonpb.Payload, bool) {
 	p := &commonpb.Payload{}
 	for len(b) > 0 {
-		num, typ, n := protowire.ConsumeTag(b)
-		if n < 0 || typ != protowire.BytesType {
+		num, v, rest, ok := nextField(b)
+		if !ok {
 			return nil, false
 		}
-		v, m := protowire.ConsumeBytes(b[n:])
-		if m < 0 {
-			return nil, false
-		}
-		b = b[n+m:]
+		b = rest
 		switch num {
 		case 1:
 			k, val, ok := readEntry(v)
@@ -208,18 +204,29 @@ func readPayload(b []byte) (*commonpb.Payload, bool) {
 func readEntry(b []byte) (string, []byte, bool) {
 	var field [2][]byte
 	for i := range field {
-		num, typ, n := protowire.ConsumeTag(b)
-		if n < 0 || num != protowire.Number(i+1) || typ != protowire.BytesType {
+		num, v, rest, ok := nextField(b)
+		if !ok || num != protowire.Number(i+1) {
 			return "", nil, false
 		}
-		v, m := protowire.ConsumeBytes(b[n:])
-		if m < 0 {
-			return "", nil, false
-		}
-		field[i], b = v, b[n+m:]
+		field[i], b = v, rest
 	}
 	if len(b) > 0 || !utf8.Valid(field[0]) {
 		return "", nil, false
 	}
-	return string(field[0]), append([]byte{}, field[1]...), true
+	return string(field[0]), bytes.Clone(field[1]), true
+}
+
+// nextField reads the length-delimited field that b starts with: its
+// number, its value, and the bytes after it; false for any other wire type
+// or a malformed field.
+func nextField(b []byte) (protowire.Number, []byte, []byte, bool) {
+	num, typ, n := protowire.ConsumeTag(b)
+	if n < 0 || typ != protowire.BytesType {
+		return 0, nil, nil, false
+	}
+	v, m := protowire.ConsumeBytes(b[n:])
+	if m < 0 {
+		return 0, nil, nil, false
+	}
+	return num, v, b[n+m:], true
 }

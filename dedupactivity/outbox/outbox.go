@@ -14,7 +14,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/metric"
@@ -258,16 +257,22 @@ func encodePayload(p any) ([]byte, error) {
 
 // translate turns PostgreSQL errors this package knows into its own.
 func translate(err error) error {
-	var pgErr interface{ SQLState() string }
-	if errors.As(err, &pgErr) {
-		switch pgErr.SQLState() {
-		case "42P01", "42703": // undefined_table; undefined_column: a table of an earlier migration
-			return fmt.Errorf("%w: %w", ErrNotMigrated, err)
-		case "23505": // unique_violation
-			return fmt.Errorf("%w: %w", ErrDuplicateKey, err)
-		}
+	switch sqlState(err) {
+	case "42P01", "42703": // undefined_table; undefined_column: a table of an earlier migration
+		return fmt.Errorf("%w: %w", ErrNotMigrated, err)
+	case "23505": // unique_violation
+		return fmt.Errorf("%w: %w", ErrDuplicateKey, err)
 	}
 	return err
+}
+
+// sqlState is err's SQLSTATE, or "" when it has none.
+func sqlState(err error) string {
+	var pgErr interface{ SQLState() string }
+	if errors.As(err, &pgErr) {
+		return pgErr.SQLState()
+	}
+	return ""
 }
 
 // State is a message's delivery state.
@@ -486,7 +491,7 @@ func (ob *Outbox) Migrate(ctx context.Context) error {
 		}
 		sql := strings.ReplaceAll(string(body), outbox.TableToken, ob.opts.Table)
 		if _, err := tx.Exec(ctx, sql); err != nil {
-			if pgErr := (*pgconn.PgError)(nil); errors.As(err, &pgErr) && pgErr.Code == "55P03" {
+			if sqlState(err) == "55P03" { // lock_not_available
 				return fmt.Errorf("outbox: migrate: apply %s: a transaction held the table for longer than %s (retry): %w", n, migrateLockTimeout, err)
 			}
 			return fmt.Errorf("outbox: migrate: apply %s: %w", n, err)
