@@ -46,8 +46,8 @@ func New(pool *pgxpool.Pool, opts Options) (*Deduper, error) {
 		return nil, fmt.Errorf("dedupactivity: telemetry: %w", err)
 	}
 	d := &Deduper{pool: pool, opts: opts, tel: tel}
-	d.store = newStore(d.qualify(opts.Table), d.qualify(opts.Table+"_ended"), d.qualify(opts.Table+"_moved"), opts.PartitionInterval > 0, d.qualify(opts.Table+"_default"))
-	if err := tel.observeOldest(d); err != nil {
+	d.store = newStore(d.qualify(opts.Table), d.qualify(opts.Table+"_ended"), d.qualify(opts.Table+"_moved"), opts.PartitionInterval > 0, d.qualify(opts.Table+"_default"), opts.Retention)
+	if err := tel.observeMarkers(d); err != nil {
 		return nil, fmt.Errorf("dedupactivity: telemetry: %w", err)
 	}
 	return d, nil

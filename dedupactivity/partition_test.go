@@ -475,6 +475,44 @@ func TestOldestMarkerAgeOfPartitions(t *testing.T) {
 	require.InDelta(t, (10 * 24 * time.Hour).Seconds(), got[0], 5, "the default partition's oldest marker")
 }
 
+// TestOverdueMarkersOfPartitions: in the partitioned layout the overdue
+// gauge is how long ago the default partition's first marker expired, or
+// the oldest range partition's end plus Retention passed, whichever is
+// longer; 0 once Prune has dropped and deleted what was due.
+func TestOverdueMarkersOfPartitions(t *testing.T) {
+	t.Parallel()
+	iv := time.Hour
+	b := setup(t, dedupactivity.Options{})
+	ctx := context.Background()
+	reader := sdkmetric.NewManualReader()
+	opts := dedupactivity.Options{Table: "parted", PartitionInterval: iv, PartitionsAhead: 1, Retention: time.Hour,
+		MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))}
+	d, err := dedupactivity.New(b.pool, opts)
+	require.NoError(t, err)
+	require.NoError(t, d.Migrate(ctx))
+	overdue := func() []float64 { return gaugeValues(t, reader, dedupactivity.MetricOverdueMarkerAge) }
+	require.Equal(t, []float64{0}, overdue(), "the current partition and the one ahead")
+
+	_, err = b.pool.Exec(ctx, `INSERT INTO parted (id_hash, scheduled_at, attempt, expires_at, activity_type)
+		VALUES ('\x01', now() - interval '30 days', 1, now() - interval '2 hours', 'T')`) // to the default partition
+	require.NoError(t, err)
+	got := overdue()
+	require.Len(t, got, 1)
+	require.InDelta(t, (2 * time.Hour).Seconds(), got[0], 5, "the default partition's marker")
+
+	lo := time.Now().Truncate(iv).Add(-10 * iv)
+	_, err = b.pool.Exec(ctx, `CREATE TABLE parted_p`+strconv.FormatInt(lo.Unix(), 10)+` PARTITION OF parted FOR VALUES FROM ('`+lo.UTC().Format(time.RFC3339)+`') TO ('`+lo.Add(iv).UTC().Format(time.RFC3339)+`')`)
+	require.NoError(t, err)
+	got = overdue()
+	require.Len(t, got, 1)
+	require.InDelta(t, time.Since(lo.Add(iv+opts.Retention)).Seconds(), got[0], 5, "a past partition's end plus Retention")
+
+	n, err := d.Prune(ctx)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), n)
+	require.Equal(t, []float64{0}, overdue(), "pruned")
+}
+
 // TestPartitionAheadMadeByAnotherWorkerMeanwhile: a pruner that finds
 // another worker making the same partition ahead waits for it, then passes
 // over the partition it made. Without the attach's lock on the table

@@ -121,10 +121,10 @@ func TestRefusedConnection(t *testing.T) {
 	require.ErrorContains(t, err, "connect")
 }
 
-// TestLeastPrivilegeOldestMarkerGaugePartitioned: the oldest-marker gauge
-// of a least-privilege worker in the partitioned layout, whose role may
-// read the marker table and not its default partition, is observed from
-// the range partitions' bounds, at every collection.
+// TestLeastPrivilegeOldestMarkerGaugePartitioned: the oldest-marker and
+// overdue gauges of a least-privilege worker in the partitioned layout,
+// whose role may read the marker table and not its default partition, are
+// observed from the range partitions' bounds, at every collection.
 func TestLeastPrivilegeOldestMarkerGaugePartitioned(t *testing.T) {
 	t.Parallel()
 	iv := time.Hour
@@ -141,5 +141,12 @@ func TestLeastPrivilegeOldestMarkerGaugePartitioned(t *testing.T) {
 		got := gaugeValues(t, reader, dedupactivity.MetricOldestMarkerAge)
 		require.Len(t, got, 1, "observed")
 		require.InDelta(t, time.Since(oldestPartitionStart(t, b, "dedup_marker")).Seconds(), got[0], 5, "the current partition's start")
+		require.Equal(t, []float64{0}, gaugeValues(t, reader, dedupactivity.MetricOverdueMarkerAge), "none overdue")
 	}
+	lo := time.Now().Truncate(iv).Add(-10 * iv)
+	_, err = b.pool.Exec(ctx, `CREATE TABLE `+partitionName(lo)+` PARTITION OF dedup_marker FOR VALUES FROM ('`+lo.UTC().Format(time.RFC3339)+`') TO ('`+lo.Add(iv).UTC().Format(time.RFC3339)+`')`)
+	require.NoError(t, err)
+	got := gaugeValues(t, reader, dedupactivity.MetricOverdueMarkerAge)
+	require.Len(t, got, 1, "observed")
+	require.InDelta(t, time.Since(lo.Add(iv+opts.Retention)).Seconds(), got[0], 5, "a past partition's end plus Retention, from the catalog")
 }

@@ -109,11 +109,17 @@ type store struct {
 	// result returns a committed marker's result, found by id_hash alone
 	// (one event has one ScheduledTime, so one partition).
 	result string
-	// oldest is the age in seconds of the marker that expires first, read
-	// through the expiry index; in the partitioned layout, whose range
-	// partitions have none, the age of the oldest range partition's start
-	// or of the default partition's first-expiring marker, whichever is
-	// older, read from the catalog and the default partition's index.
+	// oldest reads two ages in seconds: of the marker that expires first,
+	// and how long past its expiry it waits for Prune (0 when it has not
+	// expired). In the plain layout it reads that marker through the
+	// expiry index (no row when the table is empty). In the partitioned
+	// layout, whose range partitions have none, it reads the catalog and
+	// the default partition's index: the age of the oldest range
+	// partition's start or of the default partition's first-expiring
+	// marker, whichever is older; and how long ago the default
+	// partition's first marker expired or the oldest range partition's
+	// end plus Retention passed (when its markers expire, for deliveries
+	// claimed in their range), whichever is longer.
 	oldest string
 	// oldestRanges is oldest of the range partitions alone (partitioned
 	// layout), for a role that may not read the default partition.
@@ -131,7 +137,7 @@ type store struct {
 	stmts []*stmt
 }
 
-func newStore(table, ended, moved string, partitioned bool, defaultPartition string) *store {
+func newStore(table, ended, moved string, partitioned bool, defaultPartition string, retention time.Duration) *store {
 	keyCol, keyVal, completeCond, keyCond, pruned := ``, ``, ``, ``, table
 	lastOID, completeOID := `$8`, `$4` // the parameter of the claim's table OID
 	if partitioned {
@@ -177,7 +183,7 @@ WHERE set_config('lock_timeout', $7, true) IS NOT NULL AND CASE WHEN `+self+` = 
 		self:      newStmt(`SELECT ` + self),
 		exists:    `SELECT EXISTS (SELECT 1 FROM ` + table + ` WHERE id_hash = $1)`,
 		result:    `SELECT encode(result, 'hex') FROM ` + table + ` WHERE id_hash = $1 LIMIT 1`,
-		oldest:    `SELECT extract(epoch FROM now() - claimed_at)::float8 FROM ` + table + ` ORDER BY expires_at LIMIT 1`,
+		oldest:    `SELECT extract(epoch FROM now() - claimed_at)::float8, greatest(extract(epoch FROM now() - expires_at), 0)::float8 FROM ` + table + ` ORDER BY expires_at LIMIT 1`,
 		inDefault: `SELECT EXISTS (SELECT 1 FROM ` + defaultPartition + ` WHERE scheduled_at >= $1 AND scheduled_at < $2)`,
 		prune: `DELETE FROM ` + pruned + ` WHERE ctid = ANY (ARRAY(
 	SELECT ctid FROM ` + pruned + ` WHERE expires_at < now()
@@ -189,12 +195,21 @@ WHERE set_config('lock_timeout', $7, true) IS NOT NULL AND CASE WHEN `+self+` = 
 		// Retention plus its width plus the prune interval, pruning is
 		// not keeping up. Bounds are deparsed without the relation (see
 		// listPartitionsSQL), so no partition's lock is waited for.
-		ranges := `SELECT min(substring(pg_get_expr(c.relpartbound, 0) FROM $$FROM \('([^']+)'\)$$)::timestamptz)
+		bound := func(which string) string {
+			return `SELECT min(substring(pg_get_expr(c.relpartbound, 0) FROM $$` + which + ` \('([^']+)'\)$$)::timestamptz)
 	FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = ` + self
+		}
+		// The oldest range partition's markers, of deliveries claimed in
+		// its range, expire by its end plus Retention; a partition that
+		// holds a delivery claimed later (a retry long after its
+		// scheduling) is kept that much longer, and counts as overdue
+		// meanwhile.
+		rangesOverdue := `extract(epoch FROM now() - interval '` + strconv.FormatInt(int64(retention/time.Second), 10) + ` seconds' - (` + bound("TO") + `))`
 		st.oldest = `SELECT extract(epoch FROM now() - least(
 	(SELECT claimed_at FROM ` + defaultPartition + ` ORDER BY expires_at LIMIT 1),
-	(` + ranges + `)))::float8`
-		st.oldestRanges = `SELECT extract(epoch FROM now() - (` + ranges + `))::float8`
+	(` + bound("FROM") + `)))::float8,
+	greatest(0, extract(epoch FROM now() - (SELECT expires_at FROM ` + defaultPartition + ` ORDER BY expires_at LIMIT 1)), ` + rangesOverdue + `)::float8`
+		st.oldestRanges = `SELECT extract(epoch FROM now() - (` + bound("FROM") + `))::float8, greatest(0, ` + rangesOverdue + `)::float8`
 	}
 	st.stmts = []*stmt{beginStmt, commitStmt, rollbackStmt, st.look, st.insert, st.insertLast, st.complete, st.guard, st.read, st.self}
 	if partitioned {

@@ -92,10 +92,11 @@ const (
 
 // Metric names (OpenTelemetry). The Prometheus exporter writes them as
 // dedup_attempts_total, dedup_claim_duration_seconds,
-// dedup_effect_duration_seconds, dedup_marker_pruned_total and
-// dedup_marker_oldest_age_seconds. Through the SDK's metrics handler
-// (Options.TemporalMetrics) the names have underscores for dots
-// (dedup_attempts, ...) and the labels are dedup_outcome and error_type.
+// dedup_effect_duration_seconds, dedup_marker_pruned_total,
+// dedup_marker_oldest_age_seconds and dedup_marker_overdue_seconds. Through
+// the SDK's metrics handler (Options.TemporalMetrics) the names have
+// underscores for dots (dedup_attempts, ...) and the labels are
+// dedup_outcome and error_type.
 const (
 	// MetricAttempts counts wrapped attempts by dedup.outcome,
 	// activity_type, namespace, task_queue and (on errors) error.type. Unit
@@ -131,6 +132,21 @@ const (
 	// A role that may not read the default partition (docs/design.md,
 	// Security) gets the range partitions' bounds alone.
 	MetricOldestMarkerAge = "dedup.marker.oldest_age"
+	// MetricOverdueMarkerAge is, at each collection, how long in seconds
+	// the marker that expires first has been expired (by dedup.table): 0
+	// when no marker is expired, and, unlike MetricOldestMarkerAge,
+	// observed for an empty table. Prune deletes expired markers, so with
+	// a prune Schedule it stays below the prune interval plus a run's
+	// time; growing, pruning stopped or fails, whatever Retention is. It
+	// is read by the same query as MetricOldestMarkerAge, and not observed
+	// when that query fails, so absent() sees a table the worker cannot
+	// read. In the partitioned layout it is how long ago the default
+	// partition's first marker expired or the oldest range partition's end
+	// plus Retention passed, whichever is longer: a partition that holds a
+	// marker expiring later (a late retry, a longer ScheduleToClose or
+	// WithRetention) is kept until that marker expires, and counts as
+	// overdue meanwhile.
+	MetricOverdueMarkerAge = "dedup.marker.overdue"
 )
 
 // PrepareEvent is the span event of an attempt whose claim first prepared
@@ -318,26 +334,36 @@ func newTelemetry(tp trace.TracerProvider, mp metric.MeterProvider, sdkMetrics b
 	return t, nil
 }
 
-// observeOldest registers the MetricOldestMarkerAge gauge, read from d's
-// table at each collection.
-func (t *telemetry) observeOldest(d *Deduper) error {
+// observeMarkers registers the MetricOldestMarkerAge and
+// MetricOverdueMarkerAge gauges, read from d's table at each collection.
+func (t *telemetry) observeMarkers(d *Deduper) error {
 	attrs := metric.WithAttributes(TableKey.String(t.table))
-	gauge, err := t.meter.Float64ObservableGauge(MetricOldestMarkerAge,
+	oldest, err := t.meter.Float64ObservableGauge(MetricOldestMarkerAge,
 		metric.WithDescription("Age of the marker that expires first (the oldest, with one retention); read by an index-ordered query at each collection."),
 		metric.WithUnit("s"))
 	if err != nil {
 		return fmt.Errorf("create %s: %w", MetricOldestMarkerAge, err)
 	}
-	// Registered apart from the instrument: a second Deduper on the same
-	// MeterProvider gets the same instrument, and the SDK ignores (with a
+	overdue, err := t.meter.Float64ObservableGauge(MetricOverdueMarkerAge,
+		metric.WithDescription("How long the marker that expires first has been expired, waiting for Prune (0 when none has); read with the oldest marker's age."),
+		metric.WithUnit("s"))
+	if err != nil {
+		return fmt.Errorf("create %s: %w", MetricOverdueMarkerAge, err)
+	}
+	// Registered apart from the instruments: a second Deduper on the same
+	// MeterProvider gets the same instruments, and the SDK ignores (with a
 	// warning) callbacks given when an instrument is made again.
 	var rangesOnly atomic.Bool // the partitioned layout's default partition may not be read
 	partitioned := d.store.oldestRanges != ""
-	read := func(ctx context.Context, query string) (age float64, err error) {
+	read := func(ctx context.Context, query string) (age *float64, late float64, err error) {
 		if !partitioned {
-			return age, d.pool.QueryRow(ctx, query).Scan(&age)
+			err = d.pool.QueryRow(ctx, query).Scan(&age, &late)
+			if errors.Is(err, pgx.ErrNoRows) {
+				return nil, 0, nil // an empty table: nothing is overdue
+			}
+			return age, late, err
 		}
-		return age, d.inISODateStyle(ctx, func(tx pgx.Tx) error { return tx.QueryRow(ctx, query).Scan(&age) })
+		return age, late, d.inISODateStyle(ctx, func(tx pgx.Tx) error { return tx.QueryRow(ctx, query).Scan(&age, &late) })
 	}
 	_, err = t.meter.RegisterCallback(func(ctx context.Context, o metric.Observer) error {
 		ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
@@ -346,23 +372,26 @@ func (t *telemetry) observeOldest(d *Deduper) error {
 		if rangesOnly.Load() {
 			query = d.store.oldestRanges
 		}
-		age, err := read(ctx, query)
+		age, late, err := read(ctx, query)
 		if sqlState(err) == stateInsufficientPrivilege && partitioned && !rangesOnly.Load() {
 			// A role granted the marker table and not its default
 			// partition (as in docs/design.md's Security): from now on
 			// the range partitions' bounds alone, so that no scrape
 			// logs the same ERROR.
 			rangesOnly.Store(true)
-			age, err = read(ctx, d.store.oldestRanges)
+			age, late, err = read(ctx, d.store.oldestRanges)
 		}
 		if err != nil {
-			return nil // empty table, or the database is unreachable: no observation
+			return nil // the database is unreachable, or the table cannot be read: no observation
 		}
-		o.ObserveFloat64(gauge, age, attrs)
+		if age != nil {
+			o.ObserveFloat64(oldest, *age, attrs)
+		}
+		o.ObserveFloat64(overdue, late, attrs)
 		return nil
-	}, gauge)
+	}, oldest, overdue)
 	if err != nil {
-		return fmt.Errorf("observe %s: %w", MetricOldestMarkerAge, err)
+		return fmt.Errorf("observe %s and %s: %w", MetricOldestMarkerAge, MetricOverdueMarkerAge, err)
 	}
 	return nil
 }

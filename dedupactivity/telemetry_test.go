@@ -330,12 +330,13 @@ func TestTableLabelNamesTheSchema(t *testing.T) {
 }
 
 // TestTelemetryMarkerMetrics checks the pruned-markers counter (both paths)
-// and the oldest-marker-age gauge, read from the table at collection.
+// and the oldest-marker-age and overdue gauges, read from the table at
+// collection.
 func TestTelemetryMarkerMetrics(t *testing.T) {
 	t.Parallel()
 	b := setupTelemetry(t, dedupactivity.Options{TemporalMetrics: true})
 	ctx := context.Background()
-	collect := func() (pruned int64, age []float64) {
+	collect := func() (pruned int64, age, overdue []float64) {
 		var rm metricdata.ResourceMetrics
 		require.NoError(t, b.reader.Collect(ctx, &rm))
 		for _, sm := range rm.ScopeMetrics {
@@ -353,22 +354,35 @@ func TestTelemetryMarkerMetrics(t *testing.T) {
 					for _, dp := range m.Data.(metricdata.Gauge[float64]).DataPoints {
 						age = append(age, dp.Value)
 					}
+				case dedupactivity.MetricOverdueMarkerAge:
+					require.Equal(t, "s", m.Unit)
+					for _, dp := range m.Data.(metricdata.Gauge[float64]).DataPoints {
+						tbl, _ := dp.Attributes.Value(dedupactivity.TableKey)
+						require.Equal(t, "dedup_marker", tbl.AsString())
+						overdue = append(overdue, dp.Value)
+					}
 				}
 			}
 		}
-		return pruned, age
+		return pruned, age, overdue
 	}
-	_, age := collect()
+	_, age, overdue := collect()
 	require.Empty(t, age, "no markers: no observation")
+	require.Equal(t, []float64{0}, overdue, "no markers: none overdue")
 
 	fn := dedupactivity.Wrap(b.d, b.post)
 	_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
 	require.NoError(t, err)
-	_, err = b.pool.Exec(ctx, `UPDATE dedup_marker SET claimed_at = now() - interval '2 hours', expires_at = now() - interval '1 minute'`)
+	_, age, overdue = collect()
+	require.Len(t, age, 1)
+	require.Equal(t, []float64{0}, overdue, "a marker in its retention")
+	_, err = b.pool.Exec(ctx, `UPDATE dedup_marker SET claimed_at = now() - interval '2 hours', expires_at = now() - interval '3 minutes'`)
 	require.NoError(t, err)
-	_, age = collect()
+	_, age, overdue = collect()
 	require.Len(t, age, 1)
 	require.InDelta(t, 7200, age[0], 60, "the marker's age")
+	require.Len(t, overdue, 1)
+	require.InDelta(t, 180, overdue[0], 30, "expired 3 minutes ago")
 
 	// Prune through the registered prune activity, so the SDK handler path
 	// is exercised too.
@@ -385,9 +399,10 @@ func TestTelemetryMarkerMetrics(t *testing.T) {
 	require.NoError(t, val.Get(&res))
 	require.Equal(t, int64(1), res.Deleted)
 
-	pruned, age := collect()
+	pruned, age, overdue := collect()
 	require.Equal(t, int64(1), pruned)
 	require.Empty(t, age, "the table is empty again")
+	require.Equal(t, []float64{0}, overdue, "pruned")
 
 	var rm metricdata.ResourceMetrics
 	require.NoError(t, reader.Collect(ctx, &rm))

@@ -143,7 +143,7 @@ func checkDashboard(t *testing.T, p *obstest.Prometheus) {
 
 	e := scrapedSeries(t, p)
 	for _, m := range []string{"dedup_attempts_total", "dedup_claim_duration_seconds_bucket", "dedup_effect_duration_seconds_bucket",
-		"dedup_marker_pruned_total", "dedup_marker_oldest_age_seconds",
+		"dedup_marker_pruned_total", "dedup_marker_oldest_age_seconds", "dedup_marker_overdue_seconds",
 		"dedup_outbox_deliveries_total", "dedup_outbox_messages", "dedup_outbox_oldest_pending_age_seconds", "dedup_outbox_reconciled_total"} {
 		require.Contains(t, e, m, "the worker emitted %s", m)
 	}
@@ -159,7 +159,7 @@ func checkDashboard(t *testing.T, p *obstest.Prometheus) {
 			require.NotEmpty(t, samples, "panel %q returns no data: %s", panel.Title, target.Expr)
 		}
 	}
-	require.GreaterOrEqual(t, exprs, 14)
+	require.GreaterOrEqual(t, exprs, 15)
 }
 
 // alertRules is the alert rules file the compose stack's Prometheus loads.
@@ -191,7 +191,7 @@ func checkAlerts(t *testing.T, p *obstest.Prometheus) {
 			checkExpr(t, e, "alert "+r.Alert, r.Expr)
 		}
 	}
-	require.GreaterOrEqual(t, n, 7)
+	require.GreaterOrEqual(t, n, 8)
 	require.Eventually(t, func() bool {
 		rules, err := p.Rules(context.Background())
 		require.NoError(t, err)
