@@ -6,7 +6,8 @@ import "errors"
 // match it with errors.Is.
 var (
 	// ErrInvalidConfig is returned (wrapped, naming the field) by New,
-	// NewRelay, NewHTTPSender and NewReconciler for invalid options.
+	// NewRelay, NewHTTPSender and NewReconciler for invalid options, and by
+	// DeadLetters and MarkRejected for an invalid argument.
 	ErrInvalidConfig = errors.New("outbox: invalid configuration")
 
 	// ErrInvalidMessage is returned by Enqueue for a message it cannot
@@ -45,6 +46,16 @@ var (
 	// returns it for idemhttp's StatusHandler answer to such a key (409
 	// with the refusal's status in its body).
 	ErrRejected = errors.New("outbox: rejected by the destination")
+
+	// ErrNoMessage is returned (wrapped) by Requeue, MarkApplied and
+	// MarkRejected for a key no message in the outbox has (or no longer:
+	// Prune deleted it).
+	ErrNoMessage = errors.New("outbox: no message with this idempotency key")
+
+	// ErrNotDead is returned (wrapped, naming the message's state) by
+	// Requeue, MarkApplied and MarkRejected for a message that is not
+	// dead: a relay may be sending it, or it is settled.
+	ErrNotDead = errors.New("outbox: message is not dead")
 
 	// ErrUnknownDestination is returned (wrapping ErrPermanent) by
 	// HTTPSender for a destination it has no URL for.

@@ -117,3 +117,29 @@ func ExampleEnsureReconcileSchedule() {
 		log.Fatal(err)
 	}
 }
+
+// A person's pass over the dead letters the reconciler left: each is
+// settled after asking its destination (docs/outbox.md, Dead letters).
+func ExampleOutbox_DeadLetters() {
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, "postgres://localhost:5432/app")
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer pool.Close()
+	ob, err := outbox.New(pool, outbox.Options{})
+	if err != nil {
+		log.Fatal(err)
+	}
+	letters, err := ob.DeadLetters(ctx, 100)
+	if err != nil {
+		log.Fatal(err)
+	}
+	for _, l := range letters {
+		log.Printf("%s to %s: %d sends, %d re-queues, died %s: %s", l.Key, l.Destination, l.Attempts, l.Requeues, l.DiedAt.Format(time.RFC3339), l.LastError)
+	}
+	// Then, per key, what the destination answered:
+	//	ob.MarkApplied(ctx, key)                // it applied it
+	//	ob.MarkRejected(ctx, key, "why")        // it refused it for good
+	//	ob.Requeue(ctx, key)                    // it did not; the cause is fixed
+}

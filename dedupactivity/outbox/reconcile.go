@@ -512,10 +512,10 @@ WHERE id = $1 AND state = $2 AND attempts = $3`
 			sql = `UPDATE ` + t + ` SET state = 'applied', settled_at = now(), lease_until = NULL, unacked_since = NULL, in_send = false
 WHERE id = $1 AND state = $2 AND attempts = $3`
 		case c.state == StateDead && c.keyMayBeGone:
-			unresolved(fmt.Sprintf("not applied at the destination by its answer, but enqueued more than KeyRetention (%s) ago: the destination may have applied it and forgotten its key, so it is not re-queued", rc.cfg.KeyRetention))
+			unresolved(fmt.Sprintf("not applied at the destination by its answer, but enqueued more than KeyRetention (%s) ago: the destination may have applied it and forgotten its key, so it is not re-queued (settle it by hand: docs/outbox.md, Dead letters)", rc.cfg.KeyRetention))
 			continue
 		case c.state == StateDead && c.requeues >= rc.cfg.MaxRequeues:
-			unresolved(fmt.Sprintf("not applied at the destination; dead after %d re-queues", c.requeues))
+			unresolved(fmt.Sprintf("not applied at the destination; dead after %d re-queues (settle it by hand: docs/outbox.md, Dead letters)", c.requeues))
 			continue
 		case c.state == StateDead:
 			sql = `UPDATE ` + t + ` SET state = 'pending', requeues = requeues + 1, tries = 0, next_attempt_at = now(),

@@ -1,0 +1,123 @@
+package outbox_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/dedupactivity/dedupactivity/dedupactivity/outbox"
+)
+
+// TestResolveDeadLetters: a person's tools for the dead letters the
+// reconciler leaves to them. DeadLetters lists them, the longest dead
+// first; Requeue sends one again (applied once, counted at the destination
+// by SQL), also one made dead for stopping the relay; MarkApplied and
+// MarkRejected settle one without a send, and the reconciler asks about
+// neither again. Each acts only on a dead message.
+func TestResolveDeadLetters(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	rv := newReceiver(t)
+	ctx := context.Background()
+	rv.down.Store(true)
+	keys := b.placeN(t, 3)
+	r := b.relayTo(t, rv.URL+"/receipts", outbox.RelayConfig{MaxAttempts: 1})
+	res, err := r.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, outbox.RelayResult{Dead: 3}, res)
+	rv.down.Store(false)
+	_, err = b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET settled_at = settled_at - interval '1 hour' WHERE idempotency_key = $1`, keys[2])
+	require.NoError(t, err)
+
+	letters, err := b.ob.DeadLetters(ctx, 10)
+	require.NoError(t, err)
+	require.Len(t, letters, 3)
+	require.Equal(t, keys[2], letters[0].Key, "the longest dead first")
+	for _, l := range letters {
+		require.Contains(t, keys, l.Key)
+		require.Equal(t, "receipts", l.Destination)
+		require.Equal(t, "receipt", l.Name)
+		require.Equal(t, 1, l.Attempts)
+		require.Zero(t, l.Requeues)
+		require.Contains(t, l.LastError, "503")
+		require.WithinDuration(t, time.Now(), l.CreatedAt, time.Minute)
+		died := time.Now()
+		if l.Key == keys[2] {
+			died = died.Add(-time.Hour)
+		}
+		require.WithinDuration(t, died, l.DiedAt, time.Minute)
+	}
+	top, err := b.ob.DeadLetters(ctx, 1)
+	require.NoError(t, err)
+	require.Equal(t, letters[:1], top)
+	_, err = b.ob.DeadLetters(ctx, 0)
+	require.ErrorIs(t, err, outbox.ErrInvalidConfig)
+
+	// Requeue: sent again with a fresh budget, stalls included (the relay
+	// makes a message with MaxAttempts stalls dead without sending it).
+	_, err = b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET stalls = 5, checked_at = now() WHERE idempotency_key = $1`, keys[0])
+	require.NoError(t, err)
+	require.NoError(t, b.ob.Requeue(ctx, keys[0]))
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE idempotency_key = $1 AND state = 'pending'
+		AND tries = 0 AND stalls = 0 AND requeues = 0 AND next_attempt_at <= now() AND settled_at IS NULL AND checked_at IS NULL`, keys[0]))
+	res, err = r.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, outbox.RelayResult{Delivered: 1}, res)
+	require.Equal(t, 1, rv.applied(t, keys[0]))
+	err = b.ob.Requeue(ctx, keys[0])
+	require.ErrorIs(t, err, outbox.ErrNotDead)
+	require.ErrorContains(t, err, "it is sent")
+
+	// MarkApplied and MarkRejected: settled, not sent.
+	require.NoError(t, b.ob.MarkApplied(ctx, keys[1]))
+	require.ErrorIs(t, b.ob.MarkRejected(ctx, keys[2], "account\x00closed"), outbox.ErrInvalidConfig)
+	require.NoError(t, b.ob.MarkRejected(ctx, keys[2], "account closed, told the customer"))
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE idempotency_key = $1 AND state = 'applied'
+		AND settled_at > now() - interval '1 minute' AND last_error LIKE '%503%'`, keys[1]))
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE idempotency_key = $1 AND state = 'rejected'
+		AND settled_at > now() - interval '1 minute' AND last_error = 'account closed, told the customer'`, keys[2]))
+	res, err = r.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Zero(t, res)
+	require.Zero(t, rv.applied(t, keys[1]))
+	require.Zero(t, rv.applied(t, keys[2]))
+	rc, err := outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{Checker: rv.checker(), UnackedAfter: time.Millisecond})
+	require.NoError(t, err)
+	rep, err := rc.Reconcile(ctx)
+	require.NoError(t, err)
+	require.Zero(t, rep.Checked, "nothing left to ask about")
+	letters, err = b.ob.DeadLetters(ctx, 10)
+	require.NoError(t, err)
+	require.Empty(t, letters)
+
+	for name, resolve := range map[string]func(string) error{
+		"Requeue":      func(k string) error { return b.ob.Requeue(ctx, k) },
+		"MarkApplied":  func(k string) error { return b.ob.MarkApplied(ctx, k) },
+		"MarkRejected": func(k string) error { return b.ob.MarkRejected(ctx, k, "") },
+	} {
+		require.ErrorIs(t, resolve("no-such-key"), outbox.ErrNoMessage, name)
+		err := resolve(keys[1])
+		require.ErrorIs(t, err, outbox.ErrNotDead, name)
+		require.ErrorContains(t, err, "it is applied", name)
+	}
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE idempotency_key = $1 AND state = 'applied'`, keys[1]), "left as it was")
+}
+
+// TestMarkRejectedKeepsTheLastError: without a reason, the send's error
+// stays as the message's last error.
+func TestMarkRejectedKeepsTheLastError(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	keys := b.deadLetters(t, 2)
+	ctx := context.Background()
+	_, err := b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET last_error = '422 Unprocessable Entity'`)
+	require.NoError(t, err)
+	require.NoError(t, b.ob.MarkRejected(ctx, keys[0], ""))
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE idempotency_key = $1 AND state = 'rejected' AND last_error = '422 Unprocessable Entity'`, keys[0]))
+	letters, err := b.ob.DeadLetters(ctx, 10)
+	require.NoError(t, err)
+	require.Len(t, letters, 1)
+	require.Equal(t, keys[1], letters[0].Key)
+}
