@@ -5,6 +5,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -22,12 +23,16 @@ type Deduper struct {
 	// afterClaim, when set (tests only), runs after the claim inserted the
 	// marker and before the effect, inside the claim transaction.
 	afterClaim func(ctx context.Context, tx pgx.Tx) error
+	// pruneBeat, when set (tests only), is how often the prune activity
+	// heartbeats instead of pruneHeartbeatEvery.
+	pruneBeat time.Duration
 }
 
 // New returns a Deduper storing its markers through pool. opts is checked;
 // an error names the field at fault and wraps ErrInvalidOptions. New
-// registers the MetricOldestMarkerAge gauge with Options.MeterProvider for
-// the life of the process, read by one query per collection: make one
+// registers the MetricOldestMarkerAge and MetricOverdueMarkerAge gauges
+// with Options.MeterProvider for the life of the process, read by one query
+// per collection: make one
 // Deduper per table and share it.
 func New(pool *pgxpool.Pool, opts Options) (*Deduper, error) {
 	if pool == nil {

@@ -2,6 +2,7 @@ package dedupactivity
 
 import (
 	"context"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -31,6 +32,9 @@ var MayRide = mayRide
 func PruneWithProgress(ctx context.Context, d *Deduper, progress func(deleted int64)) (int64, error) {
 	return d.prune(ctx, progress)
 }
+
+// SetPruneHeartbeat makes d's prune activity heartbeat every every.
+func SetPruneHeartbeat(d *Deduper, every time.Duration) { d.pruneBeat = every }
 
 // MigrateLockKey is the advisory lock Migrate applies the migrations under.
 const MigrateLockKey = migrateLockKey

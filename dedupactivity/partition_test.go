@@ -14,7 +14,9 @@ import (
 	"github.com/stretchr/testify/require"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	"go.temporal.io/sdk/activity"
+	"go.temporal.io/sdk/interceptor"
 	"go.temporal.io/sdk/testsuite"
+	"go.temporal.io/sdk/worker"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 	"github.com/dedupactivity/dedupactivity/internal/pgtest"
@@ -651,6 +653,95 @@ func TestDropBesideARetrysResultUpdate(t *testing.T) {
 	require.NoError(t, <-claimDone)
 	require.False(t, blocked, "the claim waited for the expired partition's lock")
 	require.Zero(t, b.tables(t, part), "the expired partition is dropped")
+}
+
+// TestPruneActivityHeartbeatsDuringALongStatement: the prune activity
+// heartbeats on a clock, not only between batches and partitions, so one
+// long statement (here the read of an expired partition that another
+// transaction holds locked; in production, a large one) does not outlast
+// its heartbeat timeout and make Temporal retry a live run.
+func TestPruneActivityHeartbeatsDuringALongStatement(t *testing.T) {
+	t.Parallel()
+	iv := time.Hour
+	opts := dedupactivity.Options{PartitionInterval: iv, PartitionsAhead: 2, Retention: time.Minute}
+	b := setup(t, opts)
+	ctx := context.Background()
+	past := time.Now().Truncate(iv).Add(-48 * iv)
+	_, err := b.pool.Exec(ctx, `CREATE TABLE `+partitionName(past)+` PARTITION OF dedup_marker FOR VALUES FROM ('`+past.UTC().Format(time.RFC3339)+`') TO ('`+past.Add(iv).UTC().Format(time.RFC3339)+`')`)
+	require.NoError(t, err)
+	_, err = b.pool.Exec(ctx, `INSERT INTO dedup_marker (id_hash, scheduled_at, attempt, expires_at, activity_type) VALUES ('\x01', $1, 1, now() - interval '1 hour', 'T')`,
+		past.Add(time.Minute))
+	require.NoError(t, err)
+	holder, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = holder.Rollback(ctx) }()
+	_, err = holder.Exec(ctx, `LOCK TABLE `+partitionName(past)+` IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+
+	d, err := dedupactivity.New(b.pool, opts)
+	require.NoError(t, err)
+	dedupactivity.SetPruneHeartbeat(d, 50*time.Millisecond)
+	var s testsuite.WorkflowTestSuite
+	env := s.NewTestActivityEnvironment()
+	// Counted as the activity calls RecordHeartbeat: the SDK then sends at
+	// most one per throttle interval (0.8 of the heartbeat timeout), which
+	// the test environment's listener would show.
+	var beats atomic.Int64
+	env.SetWorkerOptions(worker.Options{Interceptors: []interceptor.WorkerInterceptor{&heartbeatCounter{n: &beats}}})
+	dedupactivity.RegisterPruner(activityRegistry{env: env}, d)
+	done := make(chan error, 1)
+	var res dedupactivity.PruneResult
+	go func() {
+		val, err := env.ExecuteActivity(dedupactivity.PruneActivityName(d))
+		if err == nil {
+			err = val.Get(&res)
+		}
+		done <- err
+	}()
+	require.Eventually(t, func() bool {
+		return b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%`+partitionName(past)+`%'`) == 1
+	}, 10*time.Second, 10*time.Millisecond, "the read of the locked partition waits")
+	before := beats.Load()
+	time.Sleep(time.Second)
+	during := beats.Load() - before
+	require.NoError(t, holder.Rollback(ctx))
+	select {
+	case err := <-done:
+		require.NoError(t, err)
+	case <-time.After(30 * time.Second):
+		t.Fatal("the prune activity did not end")
+	}
+	require.GreaterOrEqual(t, during, int64(5), "heartbeats while one statement waited 1s (every 50ms)")
+	require.Equal(t, int64(1), res.Deleted, "the partition, dropped once free")
+}
+
+// heartbeatCounter counts the activities' RecordHeartbeat calls.
+type heartbeatCounter struct {
+	interceptor.WorkerInterceptorBase
+	n *atomic.Int64
+}
+
+func (h *heartbeatCounter) InterceptActivity(ctx context.Context, next interceptor.ActivityInboundInterceptor) interceptor.ActivityInboundInterceptor {
+	return &heartbeatInbound{ActivityInboundInterceptorBase: interceptor.ActivityInboundInterceptorBase{Next: next}, n: h.n}
+}
+
+type heartbeatInbound struct {
+	interceptor.ActivityInboundInterceptorBase
+	n *atomic.Int64
+}
+
+func (h *heartbeatInbound) Init(outbound interceptor.ActivityOutboundInterceptor) error {
+	return h.Next.Init(&heartbeatOutbound{ActivityOutboundInterceptorBase: interceptor.ActivityOutboundInterceptorBase{Next: outbound}, n: h.n})
+}
+
+type heartbeatOutbound struct {
+	interceptor.ActivityOutboundInterceptorBase
+	n *atomic.Int64
+}
+
+func (h *heartbeatOutbound) RecordHeartbeat(ctx context.Context, details ...any) {
+	h.n.Add(1)
+	h.Next.RecordHeartbeat(ctx, details...)
 }
 
 // oldestPartitionStart is the start of table's oldest range partition, read

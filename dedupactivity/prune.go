@@ -1,9 +1,11 @@
 package dedupactivity
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
+	"sync/atomic"
 	"time"
 
 	enumspb "go.temporal.io/api/enums/v1"
@@ -79,6 +81,11 @@ const (
 	pruneWorkflowName     = "DedupPrune"
 	pruneActivityPrefix   = "DedupPrune:"
 	pruneHeartbeatTimeout = time.Minute
+	// pruneHeartbeatEvery is how often the prune activity heartbeats
+	// besides after each batch: one statement (the read of a large expired
+	// partition, a delete waiting for a lock) may outlast the heartbeat
+	// timeout, which is there to find a worker that died, not a slow one.
+	pruneHeartbeatEvery = pruneHeartbeatTimeout / 4
 )
 
 // pruneActivityName is the name of d's prune activity.
@@ -102,9 +109,30 @@ func RegisterPruner(r worker.Registry, d *Deduper) {
 	r.RegisterActivityWithOptions(d.pruneActivity, activity.RegisterOptions{Name: d.pruneActivityName()})
 }
 
-// pruneActivity prunes, heartbeating after each batch.
+// pruneActivity prunes, heartbeating after each batch and every
+// pruneHeartbeatEvery, with the count deleted so far.
 func (d *Deduper) pruneActivity(ctx context.Context) (PruneResult, error) {
-	n, err := d.prune(ctx, func(deleted int64) { activity.RecordHeartbeat(ctx, deleted) })
+	var deleted atomic.Int64
+	stop, stopped := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(stopped)
+		tick := time.NewTicker(cmp.Or(d.pruneBeat, pruneHeartbeatEvery))
+		defer tick.Stop()
+		for {
+			select {
+			case <-stop:
+				return
+			case <-tick.C:
+				activity.RecordHeartbeat(ctx, deleted.Load())
+			}
+		}
+	}()
+	n, err := d.prune(ctx, func(n int64) {
+		deleted.Store(n)
+		activity.RecordHeartbeat(ctx, n)
+	})
+	close(stop)
+	<-stopped
 	return PruneResult{Deleted: n}, err
 }
 
