@@ -69,7 +69,7 @@ func (ob *Outbox) Requeue(ctx context.Context, key string) error {
 // destination (a person asked it): applied, never sent again, pruned after
 // Retention as a sent message.
 func (ob *Outbox) MarkApplied(ctx context.Context, key string) error {
-	return ob.resolve(ctx, "mark applied", key, `state = 'applied', settled_at = now(), lease_until = NULL, in_send = false`)
+	return ob.resolve(ctx, "mark applied", key, `state = 'applied', settled_at = now(), lease_until = NULL, unacked_since = NULL, in_send = false`)
 }
 
 // MarkRejected records that the destination refused the dead message key
@@ -79,7 +79,7 @@ func (ob *Outbox) MarkRejected(ctx context.Context, key, reason string) error {
 	if !storable(reason) {
 		return fmt.Errorf("%w: reason is not valid UTF-8 without NUL", ErrInvalidConfig)
 	}
-	return ob.resolve(ctx, "mark rejected", key, `state = 'rejected', settled_at = now(), lease_until = NULL, in_send = false,
+	return ob.resolve(ctx, "mark rejected", key, `state = 'rejected', settled_at = now(), lease_until = NULL, unacked_since = NULL, in_send = false,
 	last_error = coalesce(nullif($2, ''), last_error)`, reason)
 }
 
