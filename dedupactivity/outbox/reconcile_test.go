@@ -316,6 +316,66 @@ func TestReconcilerLeavesOldDeadLettersToAPerson(t *testing.T) {
 	}
 }
 
+// TestRelaySendsNothingOlderThanTheDestinationsKeys: a message the
+// destination applied, its response lost, then not sent again for longer
+// than the destination keeps keys (the relays were down for a day). The
+// destination pruned the key: a re-send would apply it again. The relay
+// makes it dead instead, and the reconciler reports it; a message never
+// sent is sent whatever its age.
+func TestRelaySendsNothingOlderThanTheDestinationsKeys(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	rv := newReceiver(t)
+	rv.dropResponse.Store(true)
+	keys := b.placeN(t, 1)
+	r := b.relayTo(t, rv.URL+"/receipts", outbox.RelayConfig{})
+	res, err := r.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, outbox.RelayResult{Retried: 1}, res)
+	require.Equal(t, 1, rv.applied(t, keys[0]), "applied at the destination, its response lost")
+
+	// 25 hours later the destination's key expired and was pruned.
+	_, err = rv.schema.Pool.Exec(ctx, `UPDATE dedup_marker SET expires_at = now() - interval '1 second'`)
+	require.NoError(t, err)
+	d, err := dedupactivity.New(rv.schema.Pool, dedupactivity.Options{})
+	require.NoError(t, err)
+	n, err := d.Prune(ctx)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), n)
+	_, err = b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET created_at = created_at - interval '25 hours',
+	unacked_since = unacked_since - interval '25 hours', next_attempt_at = now()`)
+	require.NoError(t, err)
+	rv.dropResponse.Store(false)
+	unsent, _, err := b.place(t, "late", []string{"receipt"}, nil)
+	require.NoError(t, err)
+	require.Len(t, unsent, 1)
+	_, err = b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET created_at = created_at - interval '25 hours' WHERE idempotency_key = $1`, unsent[0])
+	require.NoError(t, err)
+
+	res, err = r.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, outbox.RelayResult{Delivered: 1, Dead: 1}, res)
+	require.Equal(t, 1, rv.applied(t, keys[0]), "not sent again: applied once")
+	require.Equal(t, 1, rv.applied(t, unsent[0]), "never sent before: sent")
+	// attempts = 2: the claim that made it dead counts, as a stalled one's does.
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE idempotency_key = $1 AND state = 'dead' AND attempts = 2
+	AND last_error LIKE '%first sent 25h0m_s ago and never acknowledged%(KeyRetention 24h0m0s)%'`, keys[0]))
+
+	rc, err := outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{Checker: rv.checker()})
+	require.NoError(t, err)
+	rep, err := rc.Reconcile(ctx)
+	require.NoError(t, err)
+	require.Len(t, rep.Unresolved, 1, "left to a person")
+	require.Equal(t, keys[0], rep.Unresolved[0].Key)
+	require.Zero(t, rep.Requeued)
+
+	for _, bad := range []time.Duration{-time.Hour, time.Millisecond} {
+		_, err = outbox.NewRelay(b.ob, outbox.RelayConfig{Sender: httpSender(t, rv.URL), KeyRetention: bad})
+		require.ErrorIs(t, err, outbox.ErrInvalidConfig, bad)
+	}
+}
+
 // TestReconcilerDoesNotCallRejectedApplied: the destination committed a
 // final 422 for messages (stored and replayed by idemhttp). They were not
 // applied, and sending them again gets the same 422: the reconciler marks

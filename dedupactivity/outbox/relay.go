@@ -80,6 +80,18 @@ type RelayConfig struct {
 	// Default to DefaultMinBackoff (1s) and DefaultMaxBackoff (5m).
 	MinBackoff, MaxBackoff time.Duration
 
+	// KeyRetention is how long the destinations keep a message's
+	// idempotency key after they receive it, as ReconcilerConfig's (set
+	// the two alike). A message first sent longer ago than this, and never
+	// acknowledged since (its responses lost, its sends failing, a relay
+	// down for a day), is made dead instead of sent again: the destination
+	// may have applied it and forgotten the key, and would apply it again.
+	// The reconciler reports it for a person to settle (docs/outbox.md,
+	// Dead letters). A message never sent is sent whatever its age.
+	//
+	// Defaults to DefaultKeyRetention (24h).
+	KeyRetention time.Duration
+
 	// Logger receives Run's pass errors, a Sender's panics, messages it
 	// could not give back (their leases expire instead), and a line each
 	// time a destination asks the relay to wait (see MinBackoff).
@@ -129,6 +141,9 @@ func (c RelayConfig) withDefaults() RelayConfig {
 	if c.MaxBackoff == 0 {
 		c.MaxBackoff = DefaultMaxBackoff
 	}
+	if c.KeyRetention == 0 {
+		c.KeyRetention = DefaultKeyRetention
+	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
@@ -160,6 +175,8 @@ func (c RelayConfig) validate() error {
 		return fmt.Errorf("%w: RelayConfig.MinBackoff must be at least 1ms, got %s", ErrInvalidConfig, c.MinBackoff)
 	case c.MaxBackoff < c.MinBackoff:
 		return fmt.Errorf("%w: RelayConfig.MaxBackoff (%s) must not be below MinBackoff (%s)", ErrInvalidConfig, c.MaxBackoff, c.MinBackoff)
+	case c.KeyRetention < time.Second:
+		return fmt.Errorf("%w: RelayConfig.KeyRetention must be 0 (the default) or at least 1s, got %s", ErrInvalidConfig, c.KeyRetention)
 	}
 	return nil
 }
@@ -328,7 +345,8 @@ WHERE id = ANY (ARRAY(
 	WHERE ((state = 'pending' AND next_attempt_at <= $3) OR (state = 'sending' AND lease_until <= $3))
 		AND destination <> ALL($4::text[])
 	ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED))
-RETURNING id, idempotency_key, destination, name, headers, payload, attempts, tries, stalls`,
+RETURNING id, idempotency_key, destination, name, headers, payload, attempts, tries, stalls,
+	extract(epoch FROM clock_timestamp() - unacked_since)::float8`,
 		r.cfg.BatchSize, r.cfg.Lease.Seconds(), passStart, skipped)
 	if err != nil {
 		return nil, fmt.Errorf("outbox: relay: claim: %w", translate(err))
@@ -338,9 +356,11 @@ RETURNING id, idempotency_key, destination, name, headers, payload, attempts, tr
 	for rows.Next() {
 		var d Delivery
 		var headers []byte
-		if err := rows.Scan(&d.ID, &d.Key, &d.Destination, &d.Name, &headers, &d.Payload, &d.Attempt, &d.tries, &d.stalls); err != nil {
+		var unacked float64
+		if err := rows.Scan(&d.ID, &d.Key, &d.Destination, &d.Name, &headers, &d.Payload, &d.Attempt, &d.tries, &d.stalls, &unacked); err != nil {
 			return nil, fmt.Errorf("outbox: relay: claim: %w", err)
 		}
+		d.unacked = time.Duration(unacked * float64(time.Second))
 		// Enqueue writes an object of strings; a row another producer wrote
 		// may hold any JSON. Such a message fails alone (dead), instead of
 		// failing every claim of the batch it is in.
@@ -368,6 +388,12 @@ func (r *Relay) deliver(ctx context.Context, leaseEnd time.Time, d Delivery, res
 		// Its sends keep stopping the relay's process (a crash, an
 		// out-of-memory kill on this message): not sent again.
 		sendErr = fmt.Errorf("%w: %d sends of it in a row began and never recorded an outcome: the relay's process stopped during each, or each outlasted its lease (MaxAttempts %d)", ErrPermanent, d.stalls, r.cfg.MaxAttempts)
+	}
+	if sendErr == nil && d.unacked > r.cfg.KeyRetention {
+		// Its first send may have been applied, its answer lost, and its
+		// key forgotten since.
+		sendErr = fmt.Errorf("%w: first sent %s ago and never acknowledged, longer than the destinations keep keys (KeyRetention %s): it may have been applied and its key forgotten, so it is not sent again (settle it by hand: docs/outbox.md, Dead letters)",
+			ErrPermanent, d.unacked.Round(time.Second), r.cfg.KeyRetention)
 	}
 	if sendErr == nil {
 		held, err := r.begin(ctx, d)
