@@ -5,6 +5,11 @@ package outbox
 // process had died.
 func SetAfterSendHook(r *Relay, hook func(Delivery) error) { r.afterSend = hook }
 
+// SetBeforeSendHook installs a hook that runs before a send begins; an
+// error stops the pass there, the message left leased, as if the relay
+// process had died.
+func SetBeforeSendHook(r *Relay, hook func(Delivery) error) { r.beforeBegin = hook }
+
 // RelayWorkflow, RelayActivityName and ReconcileActivityName expose the
 // names RegisterRelay and RegisterReconciler register, for tests.
 var RelayWorkflow = sweep[RelayResult]

@@ -143,7 +143,7 @@ type ReconcilerConfig struct {
 	Checker Checker
 
 	// UnackedAfter is how long a message may go without an acknowledgement,
-	// from the first lease a relay took of it, before the reconciler asks its
+	// from the first send a relay began, before the reconciler asks its
 	// destination about it (a message whose sends time out or whose
 	// responses are lost, say).
 	//
@@ -159,13 +159,14 @@ type ReconcilerConfig struct {
 	MaxRequeues int
 
 	// KeyRetention is how long the destinations keep a message's
-	// idempotency key, and answer about it, after they apply it. A dead
-	// message enqueued longer ago than this is not re-queued when its
-	// destination says it did not apply it: the destination may have
-	// applied it and forgotten the key, and a re-send would apply it
-	// again. It is reported instead, for a person to settle. Set it to the
-	// shortest retention of the destinations, less the clock difference
-	// between this database and theirs: a destination behind idemhttp
+	// idempotency key, and answer about it, after they receive it. A
+	// message first sent longer ago than this, and not acknowledged since,
+	// is not re-queued when its destination says it did not apply it: the
+	// destination may have applied it and forgotten the key, and a re-send
+	// would apply it again. It is reported instead, for a person to settle.
+	// Set it, and RelayConfig.KeyRetention, no longer than the shortest
+	// retention of the destinations, less the clock difference between
+	// this database and theirs: a destination behind idemhttp
 	// keeps keys for its Deduper's Retention (30 days by default); Stripe
 	// may remove a key once it is 24 hours old.
 	//
@@ -401,7 +402,7 @@ func (rc *Reconciler) Reconcile(ctx context.Context) (rep ReconcileReport, err e
 	// cannot take the run's MaxMessages places from the others'.
 	rep.Waiting = rc.waits.active(time.Now())
 	rows, err := rc.ob.pool.Query(ctx, `SELECT id, idempotency_key, destination, name, headers, payload, attempts, requeues, state, coalesce(last_error, ''),
-  created_at < now() - make_interval(secs => $5)
+  coalesce(unacked_since < now() - make_interval(secs => $5), false)
 FROM `+t+`
 WHERE (state = 'dead'
    OR (state = 'pending' AND unacked_since < now() - make_interval(secs => $1))
@@ -417,7 +418,7 @@ ORDER BY (state = 'dead' AND requeues >= $3), checked_at NULLS FIRST, id LIMIT $
 		state        State
 		lastError    string
 		unreadable   error // why the headers could not be read
-		keyMayBeGone bool  // enqueued longer ago than KeyRetention
+		keyMayBeGone bool  // first sent longer ago than KeyRetention, and not acknowledged since
 	}
 	var cands []candidate
 	for rows.Next() {
@@ -511,8 +512,8 @@ WHERE id = $1 AND state = $2 AND attempts = $3`
 		case applied:
 			sql = `UPDATE ` + t + ` SET state = 'applied', settled_at = now(), lease_until = NULL, unacked_since = NULL, in_send = false
 WHERE id = $1 AND state = $2 AND attempts = $3`
-		case c.state == StateDead && c.keyMayBeGone:
-			unresolved(fmt.Sprintf("not applied at the destination by its answer, but enqueued more than KeyRetention (%s) ago: the destination may have applied it and forgotten its key, so it is not re-queued (settle it by hand: docs/outbox.md, Dead letters)", rc.cfg.KeyRetention))
+		case c.keyMayBeGone:
+			unresolved(fmt.Sprintf("not applied at the destination by its answer, but first sent more than KeyRetention (%s) ago and not acknowledged since: the destination may have applied it and forgotten its key, so it is not re-queued (settle it by hand: docs/outbox.md, Dead letters)", rc.cfg.KeyRetention))
 			continue
 		case c.state == StateDead && c.requeues >= rc.cfg.MaxRequeues:
 			unresolved(fmt.Sprintf("not applied at the destination; dead after %d re-queues (settle it by hand: docs/outbox.md, Dead letters)", c.requeues))

@@ -285,7 +285,8 @@ func TestReconcilerLeavesOldDeadLettersToAPerson(t *testing.T) {
 	n, err := d.Prune(ctx)
 	require.NoError(t, err)
 	require.Equal(t, int64(1), n)
-	_, err = b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET created_at = created_at - interval '25 hours'`)
+	_, err = b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET created_at = created_at - interval '25 hours',
+	unacked_since = unacked_since - interval '25 hours'`)
 	require.NoError(t, err)
 	rv.dropResponse.Store(false)
 
@@ -360,7 +361,7 @@ func TestRelaySendsNothingOlderThanTheDestinationsKeys(t *testing.T) {
 	require.Equal(t, 1, rv.applied(t, unsent[0]), "never sent before: sent")
 	// attempts = 2: the claim that made it dead counts, as a stalled one's does.
 	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE idempotency_key = $1 AND state = 'dead' AND attempts = 2
-	AND last_error LIKE '%first sent 25h0m_s ago and never acknowledged%(KeyRetention 24h0m0s)%'`, keys[0]))
+	AND last_error LIKE '%first sent 25h0m_s ago and not acknowledged since%(KeyRetention 24h0m0s)%'`, keys[0]))
 
 	rc, err := outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{Checker: rv.checker()})
 	require.NoError(t, err)
@@ -374,6 +375,77 @@ func TestRelaySendsNothingOlderThanTheDestinationsKeys(t *testing.T) {
 		_, err = outbox.NewRelay(b.ob, outbox.RelayConfig{Sender: httpSender(t, rv.URL), KeyRetention: bad})
 		require.ErrorIs(t, err, outbox.ErrInvalidConfig, bad)
 	}
+}
+
+// TestReconcilerRequeuesNothingOlderThanTheDestinationsKeys: as
+// TestRelaySendsNothingOlderThanTheDestinationsKeys, but the reconciler
+// reaches the unacknowledged message before a relay does. The destination,
+// which pruned the key, answers "not applied": the message is reported, not
+// re-queued with a fresh unacknowledged time that a relay would send.
+// (Found by a review.)
+func TestReconcilerRequeuesNothingOlderThanTheDestinationsKeys(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	rv := newReceiver(t)
+	rv.dropResponse.Store(true)
+	keys := b.placeN(t, 1)
+	r := b.relayTo(t, rv.URL+"/receipts", outbox.RelayConfig{})
+	res, err := r.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, outbox.RelayResult{Retried: 1}, res)
+	require.Equal(t, 1, rv.applied(t, keys[0]))
+
+	_, err = rv.schema.Pool.Exec(ctx, `UPDATE dedup_marker SET expires_at = now() - interval '1 second'`)
+	require.NoError(t, err)
+	d, err := dedupactivity.New(rv.schema.Pool, dedupactivity.Options{})
+	require.NoError(t, err)
+	n, err := d.Prune(ctx)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), n)
+	_, err = b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET created_at = created_at - interval '25 hours',
+	unacked_since = unacked_since - interval '25 hours', next_attempt_at = now()`)
+	require.NoError(t, err)
+	rv.dropResponse.Store(false)
+
+	rc, err := outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{Checker: rv.checker()})
+	require.NoError(t, err)
+	rep, err := rc.Reconcile(ctx)
+	require.NoError(t, err)
+	require.Zero(t, rep.Requeued)
+	require.Len(t, rep.Unresolved, 1)
+	require.Contains(t, rep.Unresolved[0].Reason, "first sent more than KeyRetention (24h0m0s) ago")
+
+	res, err = r.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, outbox.RelayResult{Dead: 1}, res)
+	require.Equal(t, 1, rv.applied(t, keys[0]), "applied once")
+}
+
+// TestRelaySendsAMessageNeverSentWhateverItsAge: a relay leased the message
+// and stopped before its send began; the lease is taken over a day later.
+// Nothing was sent, so nothing may have been applied: it is sent. (Found by
+// a review: the unacknowledged time was taken at the lease, not the send.)
+func TestRelaySendsAMessageNeverSentWhateverItsAge(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	rv := newReceiver(t)
+	keys := b.placeN(t, 1)
+	stopped := b.relayTo(t, rv.URL+"/receipts", outbox.RelayConfig{Lease: 200 * time.Millisecond})
+	outbox.SetBeforeSendHook(stopped, func(outbox.Delivery) error { return errors.New("killed") })
+	_, err := stopped.RunOnce(ctx)
+	require.ErrorContains(t, err, "killed")
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'sending' AND NOT in_send AND unacked_since IS NULL`),
+		"leased, its send never begun")
+	_, err = b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET created_at = created_at - interval '25 hours',
+	lease_until = lease_until - interval '25 hours', unacked_since = unacked_since - interval '25 hours'`)
+	require.NoError(t, err)
+
+	res, err := b.relayTo(t, rv.URL+"/receipts", outbox.RelayConfig{}).RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, outbox.RelayResult{Delivered: 1}, res)
+	require.Equal(t, 1, rv.applied(t, keys[0]))
 }
 
 // TestReconcilerDoesNotCallRejectedApplied: the destination committed a

@@ -12,6 +12,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
@@ -82,12 +83,14 @@ type RelayConfig struct {
 
 	// KeyRetention is how long the destinations keep a message's
 	// idempotency key after they receive it, as ReconcilerConfig's (set
-	// the two alike). A message first sent longer ago than this, and never
-	// acknowledged since (its responses lost, its sends failing, a relay
-	// down for a day), is made dead instead of sent again: the destination
-	// may have applied it and forgotten the key, and would apply it again.
-	// The reconciler reports it for a person to settle (docs/outbox.md,
-	// Dead letters). A message never sent is sent whatever its age.
+	// each no longer than the destinations keep keys). A message first sent
+	// longer ago than this, and not acknowledged since (its responses
+	// lost, its sends failing, a relay down for a day), is made dead
+	// instead of sent again: the destination may have applied it and
+	// forgotten the key, and would apply it again. The reconciler reports
+	// it for a person to settle (docs/outbox.md, Dead letters). The time
+	// is taken as each send begins, so a message never sent is sent
+	// whatever its age.
 	//
 	// Defaults to DefaultKeyRetention (24h).
 	KeyRetention time.Duration
@@ -198,6 +201,10 @@ type Relay struct {
 	// before its acknowledgement; an error stops the pass there, as if the
 	// relay had died.
 	afterSend func(Delivery) error
+	// beforeBegin, when set (tests only), runs before a send begins; an
+	// error stops the pass there, the message left leased, as if the relay
+	// had died.
+	beforeBegin func(Delivery) error
 
 	waits waits // destinations that asked for a wait
 }
@@ -338,15 +345,13 @@ func (r *Relay) claim(ctx context.Context, passStart time.Time, skipped []string
 	rows, err := r.ob.pool.Query(ctx, `UPDATE `+t+` SET state = 'sending', attempts = attempts + 1,
 	tries = tries + 1 - (state = 'sending' AND NOT in_send)::int,
 	stalls = stalls + in_send::int, in_send = false,
-	lease_until = clock_timestamp() + make_interval(secs => $2),
-	unacked_since = coalesce(unacked_since, clock_timestamp())
+	lease_until = clock_timestamp() + make_interval(secs => $2)
 WHERE id = ANY (ARRAY(
 	SELECT id FROM `+t+`
 	WHERE ((state = 'pending' AND next_attempt_at <= $3) OR (state = 'sending' AND lease_until <= $3))
 		AND destination <> ALL($4::text[])
 	ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED))
-RETURNING id, idempotency_key, destination, name, headers, payload, attempts, tries, stalls,
-	extract(epoch FROM clock_timestamp() - unacked_since)::float8`,
+RETURNING id, idempotency_key, destination, name, headers, payload, attempts, tries, stalls`,
 		r.cfg.BatchSize, r.cfg.Lease.Seconds(), passStart, skipped)
 	if err != nil {
 		return nil, fmt.Errorf("outbox: relay: claim: %w", translate(err))
@@ -356,11 +361,9 @@ RETURNING id, idempotency_key, destination, name, headers, payload, attempts, tr
 	for rows.Next() {
 		var d Delivery
 		var headers []byte
-		var unacked float64
-		if err := rows.Scan(&d.ID, &d.Key, &d.Destination, &d.Name, &headers, &d.Payload, &d.Attempt, &d.tries, &d.stalls, &unacked); err != nil {
+		if err := rows.Scan(&d.ID, &d.Key, &d.Destination, &d.Name, &headers, &d.Payload, &d.Attempt, &d.tries, &d.stalls); err != nil {
 			return nil, fmt.Errorf("outbox: relay: claim: %w", err)
 		}
-		d.unacked = time.Duration(unacked * float64(time.Second))
 		// Enqueue writes an object of strings; a row another producer wrote
 		// may hold any JSON. Such a message fails alone (dead), instead of
 		// failing every claim of the batch it is in.
@@ -389,14 +392,15 @@ func (r *Relay) deliver(ctx context.Context, leaseEnd time.Time, d Delivery, res
 		// out-of-memory kill on this message): not sent again.
 		sendErr = fmt.Errorf("%w: %d sends of it in a row began and never recorded an outcome: the relay's process stopped during each, or each outlasted its lease (MaxAttempts %d)", ErrPermanent, d.stalls, r.cfg.MaxAttempts)
 	}
-	if sendErr == nil && d.unacked > r.cfg.KeyRetention {
-		// Its first send may have been applied, its answer lost, and its
-		// key forgotten since.
-		sendErr = fmt.Errorf("%w: first sent %s ago and never acknowledged, longer than the destinations keep keys (KeyRetention %s): it may have been applied and its key forgotten, so it is not sent again (settle it by hand: docs/outbox.md, Dead letters)",
-			ErrPermanent, d.unacked.Round(time.Second), r.cfg.KeyRetention)
+	if sendErr == nil && r.beforeBegin != nil {
+		if err := r.beforeBegin(d); err != nil {
+			cancelSend()
+			r.tel.endSend(ctx, span, d, resultStopped, err)
+			return fmt.Errorf("outbox: relay stopped before a send: %w", err)
+		}
 	}
 	if sendErr == nil {
-		held, err := r.begin(ctx, d)
+		held, unacked, err := r.begin(ctx, d)
 		switch {
 		case err != nil:
 			cancelSend()
@@ -408,12 +412,18 @@ func (r *Relay) deliver(ctx context.Context, leaseEnd time.Time, d Delivery, res
 			res.LeaseLost++ // its lease ended (and another relay may have taken it): not sent
 			r.tel.endSend(ctx, span, d, resultLeaseLost, nil)
 			return nil
-		}
-		sendErr = r.send(sendCtx, d)
-		if wait := destinationWait(sendErr); wait > 0 {
-			until := r.waits.set(d.Destination, time.Now().Add(min(wait, r.cfg.MaxBackoff)))
-			r.cfg.Logger.Info("outbox destination asked to wait: nothing is sent to it until then",
-				"destination", d.Destination, "until", until.UTC().Format(time.RFC3339), "asked", wait.String(), "key", d.Key)
+		case unacked > r.cfg.KeyRetention:
+			// An earlier send may have been applied, its answer lost, and
+			// its key forgotten since.
+			sendErr = fmt.Errorf("%w: first sent %s ago and not acknowledged since, longer than the destinations keep keys (KeyRetention %s): it may have been applied and its key forgotten, so it is not sent again (settle it by hand: docs/outbox.md, Dead letters)",
+				ErrPermanent, unacked.Round(time.Second), r.cfg.KeyRetention)
+		default:
+			sendErr = r.send(sendCtx, d)
+			if wait := destinationWait(sendErr); wait > 0 {
+				until := r.waits.set(d.Destination, time.Now().Add(min(wait, r.cfg.MaxBackoff)))
+				r.cfg.Logger.Info("outbox destination asked to wait: nothing is sent to it until then",
+					"destination", d.Destination, "until", until.UTC().Format(time.RFC3339), "asked", wait.String(), "key", d.Key)
+			}
 		}
 	}
 	cancelSend()
@@ -472,19 +482,29 @@ func (r *Relay) deliver(ctx context.Context, leaseEnd time.Time, d Delivery, res
 	return nil
 }
 
-// begin records that d's send begins (see the in_send column), if this
-// relay still holds its lease and the lease has not ended; false when it
-// has (the message is not sent: the next claim takes it, giving the try
-// back). The commit does not wait for the flag to reach the disk: one lost
-// in a crash of the database only misses a stall.
-func (r *Relay) begin(ctx context.Context, d Delivery) (bool, error) {
-	tag, err := r.ob.pool.Exec(ctx, `UPDATE `+r.ob.table+` SET in_send = true
+// begin records that d's send begins (see the in_send column), and from
+// when the message is unacknowledged (unacked_since: its first send since
+// it was acknowledged, settled or re-queued), if this relay still holds its
+// lease and the lease has not ended; false when it has (the message is not
+// sent: the next claim takes it, giving the try back). unacked is how long
+// ago, by the database's clock, that first send began (0 for this one).
+// The commit does not wait for the disk: a begin lost in a crash of the
+// database (within the WAL writer's delay) misses a stall and, for a first
+// send, its time, so that the message counts as unacknowledged from its
+// next send, later by that much.
+func (r *Relay) begin(ctx context.Context, d Delivery) (held bool, unacked time.Duration, err error) {
+	var secs float64
+	err = r.ob.pool.QueryRow(ctx, `UPDATE `+r.ob.table+` SET in_send = true, unacked_since = coalesce(unacked_since, clock_timestamp())
 WHERE id = $1 AND state = 'sending' AND attempts = $2 AND lease_until > clock_timestamp()
-	AND set_config('synchronous_commit', 'off', true) IS NOT NULL`, d.ID, d.Attempt)
-	if err != nil {
-		return false, fmt.Errorf("outbox: relay: begin sending %s: %w", d.Key, translate(err))
+	AND set_config('synchronous_commit', 'off', true) IS NOT NULL
+RETURNING extract(epoch FROM clock_timestamp() - unacked_since)::float8`, d.ID, d.Attempt).Scan(&secs)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return false, 0, nil
+	case err != nil:
+		return false, 0, fmt.Errorf("outbox: relay: begin sending %s: %w", d.Key, translate(err))
 	}
-	return tag.RowsAffected() == 1, nil
+	return true, time.Duration(secs * float64(time.Second)), nil
 }
 
 // send calls the Sender; a panic in it is a failed send (retried, then
@@ -532,8 +552,9 @@ WHERE id = $1 AND state = 'sending' AND attempts = $2`, d.ID, d.Attempt, string(
 	return tag.RowsAffected(), nil
 }
 
-// release gives leased messages back without counting their attempt (and,
-// for a message never sent before, without marking it unacknowledged). A
+// release gives leased messages back without counting their attempt. One
+// whose send began under this lease (a relay stopping mid-send) stays
+// unacknowledged since then: the send may have reached the destination. A
 // message whose destination asked this relay for a wait is due no sooner
 // than its end, whichever path gives it back, so that other relays, which
 // do not know the wait, do not send it meanwhile. The end is turned into
@@ -556,7 +577,6 @@ func (r *Relay) release(ctx context.Context, batch []Delivery) {
 		}
 	}
 	_, err := r.ob.pool.Exec(rctx, `UPDATE `+r.ob.table+` o SET state = 'pending', attempts = o.attempts - 1, tries = o.tries - 1, in_send = false, lease_until = NULL,
-	unacked_since = CASE WHEN o.attempts = 1 THEN NULL ELSE o.unacked_since END,
 	next_attempt_at = greatest(o.next_attempt_at, clock_timestamp() + make_interval(secs => nullif(l.wait, 0)))
 FROM unnest($1::bigint[], $2::int[], $3::float8[]) AS l(id, attempts, wait)
 WHERE o.id = l.id AND o.state = 'sending' AND o.attempts = l.attempts`, ids, attempts, waits)

@@ -838,8 +838,10 @@ func TestRelayStoppingGivesTheMessageBack(t *testing.T) {
 	defer cancel()
 	_, err := r.RunOnce(ctx)
 	require.ErrorIs(t, err, context.DeadlineExceeded)
-	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'pending' AND tries = 0 AND attempts = 0 AND unacked_since IS NULL
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'pending' AND tries = 0 AND attempts = 0
 		AND NOT in_send`), "given back, the send that began cleared: no stall at the next claim")
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE unacked_since IS NOT NULL`),
+		"unacknowledged since the send began: it may have reached the destination")
 }
 
 // TestBackoffDoublesToTheCapWithJitter pins the retry wait of

@@ -38,10 +38,9 @@ type Delivery struct {
 	// is also the lease's fencing token (docs/outbox.md, "Relay").
 	Attempt int
 
-	tries      int           // sends since enqueued or re-queued, this one included
-	stalls     int           // sends that began and never recorded an outcome (see Relay.begin)
-	unacked    time.Duration // since its first send not acknowledged (this one's claim included)
-	unreadable error         // the stored message cannot be sent as it is (see claim)
+	tries      int   // sends since enqueued or re-queued, this one included
+	stalls     int   // sends that began and never recorded an outcome (see Relay.begin)
+	unreadable error // the stored message cannot be sent as it is (see claim)
 }
 
 // Sender delivers messages. Send returns nil only when the destination has

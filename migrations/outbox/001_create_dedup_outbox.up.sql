@@ -57,4 +57,4 @@ CREATE INDEX IF NOT EXISTS dedup_outbox_due_idx ON dedup_outbox (next_attempt_at
 CREATE INDEX IF NOT EXISTS dedup_outbox_lease_idx ON dedup_outbox (lease_until) WHERE state = 'sending';
 CREATE INDEX IF NOT EXISTS dedup_outbox_event_idx ON dedup_outbox (event_key, name);
 CREATE INDEX IF NOT EXISTS dedup_outbox_settled_idx ON dedup_outbox (settled_at) WHERE state IN ('sent', 'applied', 'rejected');
-CREATE INDEX IF NOT EXISTS dedup_outbox_dead_idx ON dedup_outbox (id) WHERE state = 'dead';
+CREATE INDEX IF NOT EXISTS dedup_outbox_dead_idx ON dedup_outbox (settled_at NULLS FIRST, id) WHERE state = 'dead';
