@@ -258,6 +258,36 @@ func TestReconcilerRequeuesDeadLettersNotApplied(t *testing.T) {
 	require.ErrorIs(t, err, outbox.ErrInvalidConfig)
 }
 
+// sentAndForgotten places one message and has a relay of cfg send it to
+// rv, which applies it and loses the response (the pass's result is want).
+// Then it is 25 hours later: the destination's key expired and was pruned,
+// and the message, enqueued and first sent 25 hours ago, is due. It returns
+// the message's key and the relay.
+func sentAndForgotten(t *testing.T, b *testBundle, rv *receiver, cfg outbox.RelayConfig, want outbox.RelayResult) (string, *outbox.Relay) {
+	t.Helper()
+	ctx := context.Background()
+	rv.dropResponse.Store(true)
+	keys := b.placeN(t, 1)
+	r := b.relayTo(t, rv.URL+"/receipts", cfg)
+	res, err := r.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, want, res)
+	require.Equal(t, 1, rv.applied(t, keys[0]), "applied at the destination, its response lost")
+
+	_, err = rv.schema.Pool.Exec(ctx, `UPDATE dedup_marker SET expires_at = now() - interval '1 second'`)
+	require.NoError(t, err)
+	d, err := dedupactivity.New(rv.schema.Pool, dedupactivity.Options{})
+	require.NoError(t, err)
+	n, err := d.Prune(ctx)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), n)
+	_, err = b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET created_at = created_at - interval '25 hours',
+	unacked_since = unacked_since - interval '25 hours', next_attempt_at = now()`)
+	require.NoError(t, err)
+	rv.dropResponse.Store(false)
+	return keys[0], r
+}
+
 // TestReconcilerLeavesOldDeadLettersToAPerson: a message the destination
 // applied, its response lost, then dead longer than the destination keeps
 // keys. The destination pruned the key and answers 404, "not applied": a
@@ -269,26 +299,7 @@ func TestReconcilerLeavesOldDeadLettersToAPerson(t *testing.T) {
 	ctx := context.Background()
 	b := setup(t)
 	rv := newReceiver(t)
-	rv.dropResponse.Store(true)
-	keys := b.placeN(t, 1)
-	r := b.relayTo(t, rv.URL+"/receipts", outbox.RelayConfig{MaxAttempts: 1})
-	res, err := r.RunOnce(ctx)
-	require.NoError(t, err)
-	require.Equal(t, outbox.RelayResult{Dead: 1}, res)
-	require.Equal(t, 1, rv.applied(t, keys[0]), "applied at the destination, its response lost")
-
-	// 25 hours later the destination's key expired and was pruned.
-	_, err = rv.schema.Pool.Exec(ctx, `UPDATE dedup_marker SET expires_at = now() - interval '1 second'`)
-	require.NoError(t, err)
-	d, err := dedupactivity.New(rv.schema.Pool, dedupactivity.Options{})
-	require.NoError(t, err)
-	n, err := d.Prune(ctx)
-	require.NoError(t, err)
-	require.Equal(t, int64(1), n)
-	_, err = b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET created_at = created_at - interval '25 hours',
-	unacked_since = unacked_since - interval '25 hours'`)
-	require.NoError(t, err)
-	rv.dropResponse.Store(false)
+	key, r := sentAndForgotten(t, b, rv, outbox.RelayConfig{MaxAttempts: 1}, outbox.RelayResult{Dead: 1})
 
 	rc, err := outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{Checker: rv.checker()})
 	require.NoError(t, err)
@@ -297,13 +308,13 @@ func TestReconcilerLeavesOldDeadLettersToAPerson(t *testing.T) {
 	require.Equal(t, 1, rep.Checked)
 	require.Zero(t, rep.Requeued)
 	require.Len(t, rep.Unresolved, 1)
-	require.Equal(t, keys[0], rep.Unresolved[0].Key)
+	require.Equal(t, key, rep.Unresolved[0].Key)
 	require.Contains(t, rep.Unresolved[0].Reason, "KeyRetention (24h0m0s)")
 	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'dead' AND requeues = 0`))
-	res, err = r.RunOnce(ctx)
+	res, err := r.RunOnce(ctx)
 	require.NoError(t, err)
 	require.Equal(t, outbox.RelayResult{}, res, "nothing to send")
-	require.Equal(t, 1, rv.applied(t, keys[0]), "applied once")
+	require.Equal(t, 1, rv.applied(t, key), "applied once")
 
 	longer, err := outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{Checker: rv.checker(), KeyRetention: 26 * time.Hour})
 	require.NoError(t, err)
@@ -328,47 +339,28 @@ func TestRelaySendsNothingOlderThanTheDestinationsKeys(t *testing.T) {
 	ctx := context.Background()
 	b := setup(t)
 	rv := newReceiver(t)
-	rv.dropResponse.Store(true)
-	keys := b.placeN(t, 1)
-	r := b.relayTo(t, rv.URL+"/receipts", outbox.RelayConfig{})
-	res, err := r.RunOnce(ctx)
-	require.NoError(t, err)
-	require.Equal(t, outbox.RelayResult{Retried: 1}, res)
-	require.Equal(t, 1, rv.applied(t, keys[0]), "applied at the destination, its response lost")
-
-	// 25 hours later the destination's key expired and was pruned.
-	_, err = rv.schema.Pool.Exec(ctx, `UPDATE dedup_marker SET expires_at = now() - interval '1 second'`)
-	require.NoError(t, err)
-	d, err := dedupactivity.New(rv.schema.Pool, dedupactivity.Options{})
-	require.NoError(t, err)
-	n, err := d.Prune(ctx)
-	require.NoError(t, err)
-	require.Equal(t, int64(1), n)
-	_, err = b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET created_at = created_at - interval '25 hours',
-	unacked_since = unacked_since - interval '25 hours', next_attempt_at = now()`)
-	require.NoError(t, err)
-	rv.dropResponse.Store(false)
+	key, r := sentAndForgotten(t, b, rv, outbox.RelayConfig{}, outbox.RelayResult{Retried: 1})
 	unsent, _, err := b.place(t, "late", []string{"receipt"}, nil)
 	require.NoError(t, err)
 	require.Len(t, unsent, 1)
 	_, err = b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET created_at = created_at - interval '25 hours' WHERE idempotency_key = $1`, unsent[0])
 	require.NoError(t, err)
 
-	res, err = r.RunOnce(ctx)
+	res, err := r.RunOnce(ctx)
 	require.NoError(t, err)
 	require.Equal(t, outbox.RelayResult{Delivered: 1, Dead: 1}, res)
-	require.Equal(t, 1, rv.applied(t, keys[0]), "not sent again: applied once")
+	require.Equal(t, 1, rv.applied(t, key), "not sent again: applied once")
 	require.Equal(t, 1, rv.applied(t, unsent[0]), "never sent before: sent")
 	// attempts = 2: the claim that made it dead counts, as a stalled one's does.
 	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE idempotency_key = $1 AND state = 'dead' AND attempts = 2
-	AND last_error LIKE '%first sent 25h0m_s ago and not acknowledged since%(KeyRetention 24h0m0s)%'`, keys[0]))
+	AND last_error LIKE '%first sent 25h0m_s ago and not acknowledged since%(KeyRetention 24h0m0s)%'`, key))
 
 	rc, err := outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{Checker: rv.checker()})
 	require.NoError(t, err)
 	rep, err := rc.Reconcile(ctx)
 	require.NoError(t, err)
 	require.Len(t, rep.Unresolved, 1, "left to a person")
-	require.Equal(t, keys[0], rep.Unresolved[0].Key)
+	require.Equal(t, key, rep.Unresolved[0].Key)
 	require.Zero(t, rep.Requeued)
 
 	for _, bad := range []time.Duration{-time.Hour, time.Millisecond} {
@@ -388,25 +380,7 @@ func TestReconcilerRequeuesNothingOlderThanTheDestinationsKeys(t *testing.T) {
 	ctx := context.Background()
 	b := setup(t)
 	rv := newReceiver(t)
-	rv.dropResponse.Store(true)
-	keys := b.placeN(t, 1)
-	r := b.relayTo(t, rv.URL+"/receipts", outbox.RelayConfig{})
-	res, err := r.RunOnce(ctx)
-	require.NoError(t, err)
-	require.Equal(t, outbox.RelayResult{Retried: 1}, res)
-	require.Equal(t, 1, rv.applied(t, keys[0]))
-
-	_, err = rv.schema.Pool.Exec(ctx, `UPDATE dedup_marker SET expires_at = now() - interval '1 second'`)
-	require.NoError(t, err)
-	d, err := dedupactivity.New(rv.schema.Pool, dedupactivity.Options{})
-	require.NoError(t, err)
-	n, err := d.Prune(ctx)
-	require.NoError(t, err)
-	require.Equal(t, int64(1), n)
-	_, err = b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET created_at = created_at - interval '25 hours',
-	unacked_since = unacked_since - interval '25 hours', next_attempt_at = now()`)
-	require.NoError(t, err)
-	rv.dropResponse.Store(false)
+	key, r := sentAndForgotten(t, b, rv, outbox.RelayConfig{}, outbox.RelayResult{Retried: 1})
 
 	rc, err := outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{Checker: rv.checker()})
 	require.NoError(t, err)
@@ -416,10 +390,10 @@ func TestReconcilerRequeuesNothingOlderThanTheDestinationsKeys(t *testing.T) {
 	require.Len(t, rep.Unresolved, 1)
 	require.Contains(t, rep.Unresolved[0].Reason, "first sent more than KeyRetention (24h0m0s) ago")
 
-	res, err = r.RunOnce(ctx)
+	res, err := r.RunOnce(ctx)
 	require.NoError(t, err)
 	require.Equal(t, outbox.RelayResult{Dead: 1}, res)
-	require.Equal(t, 1, rv.applied(t, keys[0]), "applied once")
+	require.Equal(t, 1, rv.applied(t, key), "applied once")
 }
 
 // TestRelaySendsAMessageNeverSentWhateverItsAge: a relay leased the message
