@@ -407,8 +407,19 @@ func (m *Middleware) caller(r *http.Request) string {
 	return m.opts.Caller(r)
 }
 
-// Handler wraps next.
+// errNotNew is the panic of Handler and StatusHandler on a Middleware that
+// New did not make: a zero one has no key header, so it would pass every
+// request on unprotected.
+const errNotNew = "idemhttp: the Middleware was not made by New"
+
+// Handler wraps next. It panics if m was not made by New, or next is nil.
 func (m *Middleware) Handler(next http.Handler) http.Handler {
+	if m == nil || m.d == nil {
+		panic(errNotNew)
+	}
+	if next == nil {
+		panic("idemhttp: Handler needs a non-nil handler")
+	}
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		key := r.Header.Get(m.opts.KeyHeader)
 		if key == "" {
@@ -541,8 +552,11 @@ func (e *RejectedError) Is(target error) bool { return target == outbox.ErrRejec
 // {"applied":false} when not, 409 {"applied":false,"status":N} when the
 // request was refused for good with the 3xx or 4xx status N, and 500 when
 // it cannot tell. With Options.Caller it answers about the asking caller's
-// key. outbox.HTTPChecker reads it.
+// key. outbox.HTTPChecker reads it. It panics if m was not made by New.
 func (m *Middleware) StatusHandler() http.Handler {
+	if m == nil || m.d == nil {
+		panic(errNotNew)
+	}
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		key := r.PathValue("key")
 		if key == "" {

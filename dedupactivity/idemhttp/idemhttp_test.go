@@ -21,6 +21,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
@@ -1154,4 +1155,36 @@ func TestReplayKeepsHeaderBytes(t *testing.T) {
 		require.Equal(t, "\xe9", got.trailer.Get("X-Sum"), "delivery %d", i+1)
 		require.Equal(t, i == 1, got.header.Get(idemhttp.ReplayedHeader) == "true", "delivery %d", i+1)
 	}
+}
+
+// TestMiddlewareNotMadeByNewPanics: Handler and StatusHandler of a
+// Middleware that New did not make panic when they are built. A zero
+// Middleware has no key header, so its Handler passed every request on
+// without a transaction, the same key applied as often as it came; a nil
+// one panicked on each request instead. The rows are counted by SQL.
+func TestMiddlewareNotMadeByNewPanics(t *testing.T) {
+	t.Parallel()
+	s, m := newMiddleware(t, idemhttp.Options{})
+	insert := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if _, ok := idemhttp.Tx(r.Context()); !ok {
+			_, _ = s.Pool.Exec(r.Context(), `INSERT INTO receipt (body) VALUES ('unprotected')`)
+		}
+		w.WriteHeader(http.StatusCreated)
+	})
+	const msg = "idemhttp: the Middleware was not made by New"
+	for name, bad := range map[string]*idemhttp.Middleware{"zero": {}, "nil": nil} {
+		assert.PanicsWithValue(t, msg, func() { bad.StatusHandler() }, name)
+		var h http.Handler
+		if !assert.PanicsWithValue(t, msg, func() { h = bad.Handler(insert) }, name) && name == "zero" {
+			srv := httptest.NewServer(h)
+			b := &testBundle{schema: s, srv: srv}
+			b.post(t, "/", "k", "{}")
+			b.post(t, "/", "k", "{}")
+			srv.Close()
+		}
+	}
+	var n int
+	require.NoError(t, s.Pool.QueryRow(context.Background(), `SELECT count(*) FROM receipt`).Scan(&n))
+	require.Zero(t, n, "no request ran unprotected")
+	require.Panics(t, func() { m.Handler(nil) }, "a nil handler")
 }
