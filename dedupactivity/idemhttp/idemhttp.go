@@ -151,7 +151,8 @@ type Options struct {
 	// Defaults to nil: a key is one per Scope, whoever sends it.
 	Caller func(r *http.Request) string
 
-	// KeyHeader is the request header carrying the key.
+	// KeyHeader is the request header carrying the key: a valid header
+	// name (New refuses another, which no request could carry).
 	//
 	// Defaults to DefaultKeyHeader ("Idempotency-Key").
 	KeyHeader string
@@ -224,6 +225,9 @@ func New(pool *pgxpool.Pool, opts Options) (*Middleware, error) {
 	switch {
 	case opts.InFlightWait < time.Millisecond || opts.InFlightWait > maxInFlightWait:
 		return nil, fmt.Errorf("%w: InFlightWait must be between 1ms and %v, got %v", dedupactivity.ErrInvalidOptions, maxInFlightWait, opts.InFlightWait)
+	case !httpguts.ValidHeaderFieldName(opts.KeyHeader):
+		// No request carries it: every one would pass on without a key.
+		return nil, fmt.Errorf("%w: KeyHeader %q is not a valid header name", dedupactivity.ErrInvalidOptions, opts.KeyHeader)
 	case opts.MaxBodyBytes < 0:
 		return nil, fmt.Errorf("%w: MaxBodyBytes must not be negative, got %d", dedupactivity.ErrInvalidOptions, opts.MaxBodyBytes)
 	case opts.Dedup.DiscardResults:

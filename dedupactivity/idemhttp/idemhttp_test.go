@@ -1188,3 +1188,18 @@ func TestMiddlewareNotMadeByNewPanics(t *testing.T) {
 	require.Zero(t, n, "no request ran unprotected")
 	require.Panics(t, func() { m.Handler(nil) }, "a nil handler")
 }
+
+// TestKeyHeaderMustBeAHeaderName: New refuses a KeyHeader that is not a
+// valid header name, which no request can carry: with it, every request
+// passed on without a key, its writes outside any transaction.
+func TestKeyHeaderMustBeAHeaderName(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t)
+	for _, name := range []string{"Idempotency Key", "Idempotency-Key:", "Idempotency-Key\n", "Clé"} {
+		_, err := idemhttp.New(s.Pool, idemhttp.Options{KeyHeader: name})
+		require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions, "%q", name)
+		require.ErrorContains(t, err, "KeyHeader")
+	}
+	_, err := idemhttp.New(s.Pool, idemhttp.Options{KeyHeader: "x-request-key"})
+	require.NoError(t, err, "any case")
+}
