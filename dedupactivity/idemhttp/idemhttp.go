@@ -119,7 +119,8 @@ const CallerNamespace = "idemhttp.caller"
 // Options configure a Middleware. The zero value is valid.
 type Options struct {
 	// Dedup configures the Deduper that stores the keys' markers.
-	// Dedup.ClaimWait is the in-flight wait (see InFlightWait).
+	// Dedup.ClaimWait is the in-flight wait: InFlightWait sets it, and New
+	// refuses another value.
 	Dedup dedupactivity.Options
 
 	// InFlightWait bounds how long a request waits for a request with the
@@ -230,6 +231,9 @@ func New(pool *pgxpool.Pool, opts Options) (*Middleware, error) {
 		return nil, fmt.Errorf("%w: KeyHeader %q is not a valid header name", dedupactivity.ErrInvalidOptions, opts.KeyHeader)
 	case opts.MaxBodyBytes < 0:
 		return nil, fmt.Errorf("%w: MaxBodyBytes must not be negative, got %d", dedupactivity.ErrInvalidOptions, opts.MaxBodyBytes)
+	case opts.Dedup.ClaimWait != 0 && opts.Dedup.ClaimWait != opts.InFlightWait:
+		// It is set from InFlightWait: another value would be dropped.
+		return nil, fmt.Errorf("%w: Dedup.ClaimWait cannot be set (%v): InFlightWait (%v) sets it", dedupactivity.ErrInvalidOptions, opts.Dedup.ClaimWait, opts.InFlightWait)
 	case opts.Dedup.DiscardResults:
 		return nil, fmt.Errorf("%w: Dedup.DiscardResults cannot be set: a replay returns the stored response", dedupactivity.ErrInvalidOptions)
 	case opts.Dedup.MismatchPolicy != dedupactivity.MismatchReject:

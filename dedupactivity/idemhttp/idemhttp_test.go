@@ -1203,3 +1203,21 @@ func TestKeyHeaderMustBeAHeaderName(t *testing.T) {
 	_, err := idemhttp.New(s.Pool, idemhttp.Options{KeyHeader: "x-request-key"})
 	require.NoError(t, err, "any case")
 }
+
+// TestClaimWaitIsInFlightWait: New refuses a Dedup.ClaimWait other than
+// InFlightWait, which sets it: another value would be replaced by
+// InFlightWait (1s by default) without a word.
+func TestClaimWaitIsInFlightWait(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t)
+	for _, opts := range []idemhttp.Options{
+		{Dedup: dedupactivity.Options{ClaimWait: 3 * time.Second}},
+		{InFlightWait: 2 * time.Second, Dedup: dedupactivity.Options{ClaimWait: 3 * time.Second}},
+	} {
+		_, err := idemhttp.New(s.Pool, opts)
+		require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions)
+		require.ErrorContains(t, err, "Dedup.ClaimWait")
+	}
+	_, err := idemhttp.New(s.Pool, idemhttp.Options{InFlightWait: 3 * time.Second, Dedup: dedupactivity.Options{ClaimWait: 3 * time.Second}})
+	require.NoError(t, err, "the same wait twice")
+}
