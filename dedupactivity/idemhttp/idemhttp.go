@@ -36,7 +36,9 @@
 //     transaction (Tx returns false), or refused with 400 when
 //     Options.RequireKey is set.
 //
-// Keys are kept as long as the markers' retention (dedupactivity
+// A key is the header's value without the spaces and tabs around it, as
+// HTTP defines a field's value (net/http trims them over HTTP/1.1 only), at
+// most MaxKeyLength bytes. Keys are kept as long as the markers' retention (dedupactivity
 // Options.Retention, default 30 days); Deduper.Prune removes them.
 //
 // Keys are one per Scope, whoever sends them, unless Options.Caller names
@@ -396,6 +398,12 @@ func aborted(tx pgx.Tx) bool {
 	return conn == nil || conn.PgConn().TxStatus() == 'E'
 }
 
+// headerKey is the key a header value carries: without the spaces and tabs
+// around it, which are not part of a field's value (RFC 9110, 5.5).
+// net/http removes them over HTTP/1.1 but keeps them over HTTP/2, so one
+// request sent over both would otherwise carry two keys.
+func headerKey(v string) string { return strings.Trim(v, " \t") }
+
 // identity is the event identity of key sent by caller (see Options.Caller).
 func (m *Middleware) identity(caller, key string) dedupactivity.Identity {
 	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, Namespace: Namespace, ActivityType: m.opts.Scope, Key: key}
@@ -429,7 +437,7 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 		panic("idemhttp: Handler needs a non-nil handler")
 	}
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		key := r.Header.Get(m.opts.KeyHeader)
+		key := headerKey(r.Header.Get(m.opts.KeyHeader))
 		if key == "" {
 			if m.opts.RequireKey {
 				writeError(w, http.StatusBadRequest, "missing "+m.opts.KeyHeader+" header")
@@ -519,9 +527,10 @@ func (m *Middleware) Applied(ctx context.Context, key string) (bool, error) {
 }
 
 // AppliedFor is Applied for the key sent by caller, for a Middleware with
-// Options.Caller (without it, caller is ignored: keys are shared).
+// Options.Caller (without it, caller is ignored: keys are shared). Spaces
+// and tabs around key are not part of it, as in the header.
 func (m *Middleware) AppliedFor(ctx context.Context, caller, key string) (bool, error) {
-	if key == "" {
+	if key = headerKey(key); key == "" {
 		return false, fmt.Errorf("idemhttp: %w", dedupactivity.ErrEmptyBusinessKey)
 	}
 	var r response

@@ -1221,3 +1221,48 @@ func TestClaimWaitIsInFlightWait(t *testing.T) {
 	_, err := idemhttp.New(s.Pool, idemhttp.Options{InFlightWait: 3 * time.Second, Dedup: dedupactivity.Options{ClaimWait: 3 * time.Second}})
 	require.NoError(t, err, "the same wait twice")
 }
+
+// TestKeyIsTheHeaderValueOverBothProtocols: a key sent with spaces or tabs
+// around it is one key over HTTP/1.1, where net/http trims them, and over
+// HTTP/2, where it keeps them: one request sent over both applies once (by
+// SQL) and the second gets the replay; StatusHandler and Applied answer
+// for it either way. Before, HTTP/2 gave " k\t" a key of its own, and the
+// request was applied twice.
+func TestKeyIsTheHeaderValueOverBothProtocols(t *testing.T) {
+	t.Parallel()
+	b := setup(t, idemhttp.Options{})
+	h2 := httptest.NewUnstartedServer(b.srv.Config.Handler)
+	h2.EnableHTTP2 = true
+	h2.StartTLS()
+	t.Cleanup(h2.Close)
+	send := func(srv *httptest.Server, key string) (int, string, int) {
+		req, err := http.NewRequest(http.MethodPost, srv.URL+"/receipts", strings.NewReader(`{}`))
+		require.NoError(t, err)
+		req.Header.Set("Idempotency-Key", key)
+		resp, err := srv.Client().Do(req)
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		_, _ = io.Copy(io.Discard, resp.Body)
+		return resp.StatusCode, resp.Header.Get(idemhttp.ReplayedHeader), resp.ProtoMajor
+	}
+	status, replayed, proto := send(h2, " k\t")
+	require.Equal(t, 2, proto)
+	require.Equal(t, http.StatusCreated, status)
+	require.Empty(t, replayed)
+	status, replayed, proto = send(b.srv, "k")
+	require.Equal(t, 1, proto)
+	require.Equal(t, http.StatusCreated, status)
+	assert.Equal(t, "true", replayed, "the same key")
+	status, replayed, _ = send(h2, "k ")
+	assert.Equal(t, "true", replayed, "the same key over HTTP/2 too")
+	require.Equal(t, http.StatusCreated, status)
+	require.Equal(t, 1, b.receipts(t))
+	require.Equal(t, int64(1), b.runs.Load())
+
+	applied, err := b.m.Applied(context.Background(), " k ")
+	require.NoError(t, err)
+	require.True(t, applied)
+	require.Equal(t, http.StatusOK, b.keyStatus(t, "k").status)
+	r := b.post(t, "/receipts", " \t ", `{}`)
+	require.Equal(t, http.StatusAccepted, r.status, "blanks alone are no key")
+}
