@@ -109,8 +109,12 @@ const (
 const ReplayedHeader = "Idempotent-Replayed"
 
 // Namespace is the identity namespace of the keys of a Middleware without
-// Options.Caller (the Scope is the identity's activity type), so keys never
-// collide with activity markers in a shared table.
+// Options.Caller (the Scope is the identity's activity type), so keys do not
+// collide with activity markers in a shared table. An activity's business
+// key has its Temporal namespace there: in a Temporal namespace named
+// idemhttp (or idemhttp.caller, see CallerNamespace), a WithBusinessKey
+// activity whose type is a Scope shares that Scope's keys, so give such a
+// Middleware a table of its own.
 const Namespace = "idemhttp"
 
 // CallerNamespace is the identity namespace of the keys of a Middleware
