@@ -34,7 +34,8 @@
 //     are gone.
 //   - A request without a key is passed to the handler without a
 //     transaction (Tx returns false), or refused with 400 when
-//     Options.RequireKey is set.
+//     Options.RequireKey is set. One that carries two different keys (two
+//     header lines) is refused with 400; nothing runs.
 //
 // A key is the header's value without the spaces and tabs around it, as
 // HTTP defines a field's value (net/http trims them over HTTP/1.1 only), at
@@ -150,8 +151,10 @@ type Options struct {
 	// caller. Return what stays the same for a client (its account ID, not
 	// an API key it may rotate): a request sent again under another name
 	// is another request, applied again. It is called once for every
-	// request with a key (and by StatusHandler), so put the middleware
-	// behind your authentication. An empty name is one more caller, the
+	// request with a key that gets as far as its claim (not for one refused
+	// for its key's length or its body's size), and by StatusHandler, so
+	// put the middleware behind your authentication. An empty name is one
+	// more caller, the
 	// unnamed, whose keys every unnamed request shares. Names of any length
 	// work: a key holds the name's SHA-256.
 	//
@@ -185,10 +188,10 @@ type Options struct {
 	// Defaults to Content-Type, Content-Encoding, Location and ETag.
 	ReplayHeaders []string
 
-	// Logger records the error behind each 500 response, at ERROR (at
-	// WARN when it is the request's context's, ended first: the client
-	// went away);
-	// the client gets only {"error":"internal error"}, not the database's
+	// Logger records the error behind each 500 response the middleware
+	// gives itself (not a handler's own 500), at ERROR (at WARN when it is
+	// the request's context's, ended first: the client went away); the
+	// client gets only {"error":"internal error"}, not the database's
 	// message.
 	//
 	// Defaults to slog.Default().
@@ -408,6 +411,24 @@ func aborted(tx pgx.Tx) bool {
 // request sent over both would otherwise carry two keys.
 func headerKey(v string) string { return strings.Trim(v, " \t") }
 
+// requestKey is the key of a request whose key header has the values vs:
+// the one value that is not blank, or "" when none is. A request that
+// carries two different keys is refused (ok false): taking either could
+// apply it under a key its sender did not mean, and taking none would pass
+// it on unprotected.
+func requestKey(vs []string) (key string, ok bool) {
+	for _, v := range vs {
+		switch v = headerKey(v); {
+		case v == "":
+		case key == "":
+			key = v
+		case v != key:
+			return "", false
+		}
+	}
+	return key, true
+}
+
 // identity is the event identity of key sent by caller (see Options.Caller).
 func (m *Middleware) identity(caller, key string) dedupactivity.Identity {
 	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, Namespace: Namespace, ActivityType: m.opts.Scope, Key: key}
@@ -441,7 +462,11 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 		panic("idemhttp: Handler needs a non-nil handler")
 	}
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		key := headerKey(r.Header.Get(m.opts.KeyHeader))
+		key, ok := requestKey(r.Header.Values(m.opts.KeyHeader))
+		if !ok {
+			writeError(w, http.StatusBadRequest, "more than one "+m.opts.KeyHeader+" header, with different values")
+			return
+		}
 		if key == "" {
 			if m.opts.RequireKey {
 				writeError(w, http.StatusBadRequest, "missing "+m.opts.KeyHeader+" header")

@@ -1266,3 +1266,33 @@ func TestKeyIsTheHeaderValueOverBothProtocols(t *testing.T) {
 	r := b.post(t, "/receipts", " \t ", `{}`)
 	require.Equal(t, http.StatusAccepted, r.status, "blanks alone are no key")
 }
+
+// A request's key header may come on several lines: blank ones carry no
+// key, the same key twice is that key, and two different keys are refused
+// before anything runs.
+func TestKeyOnSeveralHeaderLines(t *testing.T) {
+	t.Parallel()
+	b := setup(t, idemhttp.Options{})
+	keys := func(vs ...string) http.Header { return http.Header{"Idempotency-Key": vs} }
+
+	r := b.do(t, http.MethodPost, "/receipts", keys("", "k"), `{}`)
+	require.Equal(t, http.StatusCreated, r.status, r.body)
+	require.Empty(t, r.header.Get(idemhttp.ReplayedHeader))
+	r = b.do(t, http.MethodPost, "/receipts", keys("k", " k"), `{}`)
+	require.Equal(t, http.StatusCreated, r.status, r.body)
+	require.Equal(t, "true", r.header.Get(idemhttp.ReplayedHeader), "the key of the blank line and the key's is k")
+	r = b.post(t, "/receipts", "k", `{}`)
+	require.Equal(t, "true", r.header.Get(idemhttp.ReplayedHeader))
+
+	r = b.do(t, http.MethodPost, "/receipts", keys("a", "b"), `{}`)
+	require.Equal(t, http.StatusBadRequest, r.status)
+	require.Contains(t, r.body, "more than one Idempotency-Key header")
+	r = b.do(t, http.MethodPost, "/receipts", keys("", "k", "b"), `{}`)
+	require.Equal(t, http.StatusBadRequest, r.status)
+	r = b.post(t, "/receipts", "a", `{}`)
+	require.Equal(t, http.StatusCreated, r.status)
+	require.Empty(t, r.header.Get(idemhttp.ReplayedHeader), "the refused request claimed nothing")
+
+	require.Equal(t, 2, b.receipts(t), "k and a, once each")
+	require.Equal(t, int64(2), b.runs.Load())
+}
