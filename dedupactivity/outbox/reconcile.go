@@ -27,7 +27,8 @@ import (
 // reported, not changed. An unknown answer may ask for a wait (RetryAfter;
 // a StatusError's RetryAfter on a 429 or a 503), as a rate-limited status
 // endpoint does: the Reconciler then asks that destination nothing more
-// until the wait is over (see ReconcilerConfig.MaxWait).
+// until the wait is over (see ReconcilerConfig.MaxWait). A panic in Applied
+// is an unknown answer.
 type Checker interface {
 	Applied(ctx context.Context, d Delivery) (bool, error)
 }
@@ -481,7 +482,7 @@ ORDER BY (state = 'dead' AND requeues >= $3), checked_at NULLS FIRST, id LIMIT $
 			unresolved("never sent: its headers are not a JSON object of strings: " + c.unreadable.Error())
 			continue
 		}
-		applied, cerr := rc.cfg.Checker.Applied(ctx, c.d)
+		applied, cerr := rc.check(ctx, c.d)
 		rejected := errors.Is(cerr, ErrRejected)
 		if wait := destinationWait(cerr); wait > 0 && !rejected {
 			// Kept even if the run stops now: the answer came (as the
@@ -546,6 +547,19 @@ WHERE id = $1 AND state = $2 AND attempts = $3`
 		}
 	}
 	return rep, nil
+}
+
+// check asks the Checker about d. A panic in it is an unknown answer: the
+// message is reported and marked checked, so that it goes behind the
+// others, instead of the panic ending every run at the same message.
+func (rc *Reconciler) check(ctx context.Context, d Delivery) (applied bool, err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			// Not wrapped: a panic is no answer, whatever error it carries.
+			applied, err = false, fmt.Errorf("outbox: checker panicked: %v", p)
+		}
+	}()
+	return rc.cfg.Checker.Applied(ctx, d)
 }
 
 func (rc *Reconciler) count(ctx context.Context, action, destination string) {

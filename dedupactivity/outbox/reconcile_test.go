@@ -1005,3 +1005,30 @@ func TestReconcilerStoppedRunKeepsTheWait(t *testing.T) {
 	require.Zero(t, rep.Checked)
 	require.Contains(t, rep.Waiting, "receipts")
 }
+
+// TestCheckerPanicIsAnUnknownAnswer: a Checker that panics on one message
+// (a bug in a custom Checker, say) leaves that message unresolved and
+// marked checked, and the run goes on to settle the others, as a Sender's
+// panic is a failed send. The states are read by SQL.
+func TestCheckerPanicIsAnUnknownAnswer(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	keys := b.deadLetters(t, 2)
+	rc, err := outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{Checker: outbox.CheckerFunc(func(_ context.Context, d outbox.Delivery) (bool, error) {
+		if d.Key == keys[0] {
+			panic("checker bug")
+		}
+		return false, nil
+	})})
+	require.NoError(t, err)
+	var rep outbox.ReconcileReport
+	require.NotPanics(t, func() { rep, err = rc.Reconcile(context.Background()) })
+	require.NoError(t, err)
+	require.Equal(t, 2, rep.Checked)
+	require.Equal(t, 1, rep.Requeued)
+	require.Len(t, rep.Unresolved, 1)
+	require.Equal(t, keys[0], rep.Unresolved[0].Key)
+	require.Contains(t, rep.Unresolved[0].Reason, "checker bug")
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE idempotency_key = $1 AND state = 'dead' AND checked_at IS NOT NULL`, keys[0]))
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE idempotency_key = $1 AND state = 'pending' AND requeues = 1`, keys[1]))
+}
