@@ -30,7 +30,8 @@ const (
 
 // RelayConfig configures a Relay.
 type RelayConfig struct {
-	// Sender delivers the messages. Required.
+	// Sender delivers the messages. Required; an *HTTPSender must come
+	// from NewHTTPSender.
 	Sender Sender
 
 	// BatchSize is how many due messages one claim leases.
@@ -163,9 +164,14 @@ func (c RelayConfig) withDefaults() RelayConfig {
 }
 
 func (c RelayConfig) validate() error {
+	hs, isHTTP := c.Sender.(*HTTPSender)
 	switch {
 	case c.Sender == nil:
 		return fmt.Errorf("%w: RelayConfig.Sender is nil", ErrInvalidConfig)
+	case isHTTP && (hs == nil || hs.cfg.Client == nil):
+		// A nil one panics at every send; a zero one knows no destination,
+		// and would make every message dead at once.
+		return fmt.Errorf("%w: RelayConfig.Sender is an HTTPSender not made by NewHTTPSender", ErrInvalidConfig)
 	case c.BatchSize < 1 || c.BatchSize > 10000:
 		return fmt.Errorf("%w: RelayConfig.BatchSize must be between 1 and 10000, got %d", ErrInvalidConfig, c.BatchSize)
 	case c.PollInterval < time.Millisecond:

@@ -593,6 +593,10 @@ func TestRelayConfigValidate(t *testing.T) {
 		"lease":   {Sender: sender, Lease: time.Millisecond},
 		"backoff": {Sender: sender, MinBackoff: time.Second, MaxBackoff: time.Millisecond},
 		"max":     {Sender: sender, MaxAttempts: -2},
+		// Not made by NewHTTPSender: a nil one panics at every send, a zero
+		// one knows no destination and makes every message dead at once.
+		"nil http sender":  {Sender: (*outbox.HTTPSender)(nil)},
+		"zero http sender": {Sender: &outbox.HTTPSender{}},
 	} {
 		_, err := outbox.NewRelay(b.ob, cfg)
 		require.ErrorIs(t, err, outbox.ErrInvalidConfig, name)
