@@ -10,10 +10,10 @@ import (
 )
 
 // A dead message waits for the reconciler, or, once the reconciler reports
-// it (out of re-queues, older than KeyRetention, a destination it cannot
-// ask), for a person. These are that person's tools: list the dead letters,
-// ask the destination, then re-queue, mark applied or mark rejected
-// (docs/outbox.md, Dead letters). Each changes a message only while it is
+// it (out of re-queues, first sent longer ago than KeyRetention and not
+// acknowledged since, a destination it cannot ask), for a person. These are
+// that person's tools: list the dead letters, ask the destination, then
+// re-queue, mark applied or mark rejected (docs/outbox.md, Dead letters). Each changes a message only while it is
 // dead, so it cannot race a relay's send or the reconciler's own change.
 
 // DeadLetter is a dead message, as DeadLetters lists it.

@@ -373,7 +373,8 @@ type Unresolved struct {
 	Attempts    int
 	LastError   string
 	// Reason says why: the check failed (unknown), or a dead message ran
-	// out of re-queues or is older than KeyRetention.
+	// out of re-queues, or it was first sent longer ago than KeyRetention
+	// and not acknowledged since.
 	Reason string
 }
 
