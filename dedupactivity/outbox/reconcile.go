@@ -381,8 +381,8 @@ type Unresolved struct {
 // Reconcile looks at up to MaxMessages messages that are dead, or pending
 // or with an expired lease and unacknowledged for longer than UnackedAfter,
 // asks their destinations, and settles them. Each change of state is
-// conditional on the message being as it was read, so a relay that sends
-// it meanwhile wins.
+// conditional on the message's row being the version read, so a relay that
+// sends it meanwhile wins, and the next run asks again.
 func (rc *Reconciler) Reconcile(ctx context.Context) (rep ReconcileReport, err error) {
 	ctx, span := rc.tracer.Start(ctx, "OutboxReconcile")
 	defer func() {
@@ -404,7 +404,7 @@ func (rc *Reconciler) Reconcile(ctx context.Context) (rep ReconcileReport, err e
 	// cannot take the run's MaxMessages places from the others'.
 	rep.Waiting = rc.waits.active(time.Now())
 	rows, err := rc.ob.pool.Query(ctx, `SELECT id, idempotency_key, destination, name, headers, payload, attempts, requeues, state, coalesce(last_error, ''),
-  coalesce(unacked_since < now() - make_interval(secs => $5), false)
+  coalesce(unacked_since < now() - make_interval(secs => $5), false), xmin::text
 FROM `+t+`
 WHERE (state = 'dead'
    OR (state = 'pending' AND unacked_since < now() - make_interval(secs => $1))
@@ -419,15 +419,16 @@ ORDER BY (state = 'dead' AND requeues >= $3), checked_at NULLS FIRST, id LIMIT $
 		requeues     int
 		state        State
 		lastError    string
-		unreadable   error // why the headers could not be read
-		keyMayBeGone bool  // first sent longer ago than KeyRetention, and not acknowledged since
+		unreadable   error  // why the headers could not be read
+		keyMayBeGone bool   // first sent longer ago than KeyRetention, and not acknowledged since
+		version      string // the row version read (xmin), which any change of the row replaces
 	}
 	var cands []candidate
 	for rows.Next() {
 		var c candidate
 		var state string
 		var headers []byte
-		if err := rows.Scan(&c.d.ID, &c.d.Key, &c.d.Destination, &c.d.Name, &headers, &c.d.Payload, &c.d.Attempt, &c.requeues, &state, &c.lastError, &c.keyMayBeGone); err != nil {
+		if err := rows.Scan(&c.d.ID, &c.d.Key, &c.d.Destination, &c.d.Name, &headers, &c.d.Payload, &c.d.Attempt, &c.requeues, &state, &c.lastError, &c.keyMayBeGone, &c.version); err != nil {
 			rows.Close()
 			return rep, fmt.Errorf("outbox: reconcile: %w", err)
 		}
@@ -504,16 +505,21 @@ ORDER BY (state = 'dead' AND requeues >= $3), checked_at NULLS FIRST, id LIMIT $
 			unresolved("unknown: " + cerr.Error())
 			continue
 		}
+		// Each change is made only to the row version read: state and
+		// attempts alone can come back as they were (a relay that stops
+		// mid-send gives the message back with its attempt uncounted), and
+		// the answer says nothing of a send made since it was asked for.
 		var sql string
-		args := []any{c.d.ID, string(c.state), c.d.Attempt}
+		args := []any{c.d.ID, string(c.state), c.d.Attempt, c.version}
+		const as = `WHERE id = $1 AND state = $2 AND attempts = $3 AND xmin::text = $4`
 		switch {
 		case rejected:
-			sql = `UPDATE ` + t + ` SET state = 'rejected', settled_at = now(), lease_until = NULL, unacked_since = NULL, in_send = false, last_error = $4
-WHERE id = $1 AND state = $2 AND attempts = $3`
+			sql = `UPDATE ` + t + ` SET state = 'rejected', settled_at = now(), lease_until = NULL, unacked_since = NULL, in_send = false, last_error = $5
+` + as
 			args = append(args, errorText(cerr))
 		case applied:
 			sql = `UPDATE ` + t + ` SET state = 'applied', settled_at = now(), lease_until = NULL, unacked_since = NULL, in_send = false
-WHERE id = $1 AND state = $2 AND attempts = $3`
+` + as
 		case c.keyMayBeGone:
 			unresolved(fmt.Sprintf("not applied at the destination by its answer, but first sent more than KeyRetention (%s) ago and not acknowledged since: the destination may have applied it and forgotten its key, so it is not re-queued (settle it by hand: docs/outbox.md, Dead letters)", rc.cfg.KeyRetention))
 			continue
@@ -523,17 +529,17 @@ WHERE id = $1 AND state = $2 AND attempts = $3`
 		case c.state == StateDead:
 			sql = `UPDATE ` + t + ` SET state = 'pending', requeues = requeues + 1, tries = 0, next_attempt_at = now(),
 	settled_at = NULL, unacked_since = NULL
-WHERE id = $1 AND state = $2 AND attempts = $3`
+` + as
 		default:
 			sql = `UPDATE ` + t + ` SET state = 'pending', next_attempt_at = now(), lease_until = NULL, unacked_since = NULL
-WHERE id = $1 AND state = $2 AND attempts = $3`
+` + as
 		}
 		tag, err := rc.ob.pool.Exec(ctx, sql, args...)
 		if err != nil {
 			return rep, fmt.Errorf("outbox: reconcile %s: %w", c.d.Key, translate(err))
 		}
 		if tag.RowsAffected() == 0 {
-			continue // a relay took it meanwhile
+			continue // changed meanwhile (a relay took it): the next run asks again
 		}
 		switch {
 		case rejected:

@@ -1032,3 +1032,70 @@ func TestCheckerPanicIsAnUnknownAnswer(t *testing.T) {
 	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE idempotency_key = $1 AND state = 'dead' AND checked_at IS NOT NULL`, keys[0]))
 	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE idempotency_key = $1 AND state = 'pending' AND requeues = 1`, keys[1]))
 }
+
+// TestReconcilerRequeuesNothingSentSinceItAsked: the reconciler asks about
+// a pending message unacknowledged for an hour, and its destination
+// answers "not applied". While it asks, a relay sends the message (applied
+// at the destination) and stops before it can record the send, so it
+// gives the message back as it was read: pending, the same attempts. The
+// reconciler must not re-queue it, which would start its unacknowledged
+// time anew: then, its relays down for a day and the destination's key
+// pruned, the relay sends it again and the destination applies it twice.
+// The receipts are counted by SQL at the destination.
+func TestReconcilerRequeuesNothingSentSinceItAsked(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	rv := newReceiver(t)
+	keys := b.placeN(t, 1)
+	// Its earlier sends failed (the destination was down): pending, due,
+	// first sent an hour ago.
+	_, err := b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET attempts = 1, tries = 1, next_attempt_at = now(),
+	unacked_since = now() - interval '1 hour'`)
+	require.NoError(t, err)
+
+	http := httpSender(t, rv.URL+"/receipts")
+	var stopping *outbox.Relay
+	passCtx, stop := context.WithCancel(ctx)
+	defer stop()
+	stopping, err = outbox.NewRelay(b.ob, outbox.RelayConfig{Sender: outbox.SenderFunc(func(ctx context.Context, d outbox.Delivery) error {
+		err := http.Send(ctx, d) // applied at the destination
+		stop()                   // and the relay stops before it sees the answer
+		return errors.Join(err, context.Canceled)
+	})})
+	require.NoError(t, err)
+	asked := 0
+	checker := rv.checker()
+	rc, err := outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{Checker: outbox.CheckerFunc(func(ctx context.Context, d outbox.Delivery) (bool, error) {
+		asked++
+		applied, err := checker.Applied(ctx, d)
+		if asked == 1 {
+			_, rerr := stopping.RunOnce(passCtx)
+			require.ErrorIs(t, rerr, context.Canceled)
+		}
+		return applied, err
+	})})
+	require.NoError(t, err)
+	rep, err := rc.Reconcile(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 1, rep.Checked)
+	require.Equal(t, 1, rv.applied(t, keys[0]), "applied once, while the reconciler asked")
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'pending' AND attempts = 1 AND unacked_since < now() - interval '59 minutes'`),
+		"given back as it was, its unacknowledged time kept")
+
+	// A day later: the relays were down, the destination pruned the key.
+	_, err = rv.schema.Pool.Exec(ctx, `UPDATE dedup_marker SET expires_at = now() - interval '1 second'`)
+	require.NoError(t, err)
+	d, err := dedupactivity.New(rv.schema.Pool, dedupactivity.Options{})
+	require.NoError(t, err)
+	n, err := d.Prune(ctx)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), n)
+	_, err = b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET created_at = created_at - interval '25 hours',
+	unacked_since = unacked_since - interval '25 hours', next_attempt_at = now()`)
+	require.NoError(t, err)
+	res, err := b.relayTo(t, rv.URL+"/receipts", outbox.RelayConfig{}).RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, outbox.RelayResult{Dead: 1}, res, "not sent again")
+	require.Equal(t, 1, rv.applied(t, keys[0]), "applied once")
+}
