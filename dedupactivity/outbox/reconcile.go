@@ -257,8 +257,9 @@ func NewReconciler(ob *Outbox, cfg ReconcilerConfig) (*Reconciler, error) {
 			timeout = c.Timeout
 		}
 	}
+	fn, isFunc := cfg.Checker.(CheckerFunc)
 	switch {
-	case cfg.Checker == nil:
+	case cfg.Checker == nil, isFunc && fn == nil:
 		return nil, fmt.Errorf("%w: ReconcilerConfig.Checker is nil", ErrInvalidConfig)
 	case noURL:
 		return nil, fmt.Errorf("%w: ReconcilerConfig.Checker is an HTTPChecker without a URL", ErrInvalidConfig)

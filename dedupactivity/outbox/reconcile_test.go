@@ -631,7 +631,7 @@ func TestReconcilerReportsWhatItCannotAsk(t *testing.T) {
 	_, err = outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{})
 	require.ErrorIs(t, err, outbox.ErrInvalidConfig)
 	negative := outbox.HTTPChecker{URL: outbox.StatusURL(map[string]string{"receipts": downURL}), Timeout: -time.Second}
-	for _, c := range []outbox.Checker{outbox.HTTPChecker{}, &outbox.HTTPChecker{}, (*outbox.HTTPChecker)(nil), negative, &negative} {
+	for _, c := range []outbox.Checker{outbox.HTTPChecker{}, &outbox.HTTPChecker{}, (*outbox.HTTPChecker)(nil), negative, &negative, outbox.CheckerFunc(nil)} {
 		_, err = outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{Checker: c})
 		require.ErrorIs(t, err, outbox.ErrInvalidConfig)
 	}

@@ -165,8 +165,9 @@ func (c RelayConfig) withDefaults() RelayConfig {
 
 func (c RelayConfig) validate() error {
 	hs, isHTTP := c.Sender.(*HTTPSender)
+	fn, isFunc := c.Sender.(SenderFunc)
 	switch {
-	case c.Sender == nil:
+	case c.Sender == nil, isFunc && fn == nil:
 		return fmt.Errorf("%w: RelayConfig.Sender is nil", ErrInvalidConfig)
 	case isHTTP && (hs == nil || hs.cfg.Client == nil):
 		// A nil one panics at every send; a zero one knows no destination,

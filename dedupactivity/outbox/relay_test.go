@@ -597,6 +597,7 @@ func TestRelayConfigValidate(t *testing.T) {
 		// one knows no destination and makes every message dead at once.
 		"nil http sender":  {Sender: (*outbox.HTTPSender)(nil)},
 		"zero http sender": {Sender: &outbox.HTTPSender{}},
+		"nil sender func":  {Sender: outbox.SenderFunc(nil)},
 	} {
 		_, err := outbox.NewRelay(b.ob, cfg)
 		require.ErrorIs(t, err, outbox.ErrInvalidConfig, name)
