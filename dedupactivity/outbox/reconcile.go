@@ -144,7 +144,8 @@ type ReconcilerConfig struct {
 	Checker Checker
 
 	// UnackedAfter is how long a message may go without an acknowledgement,
-	// from the first send a relay began, before the reconciler asks its
+	// from the first send a relay began (or from the reconciler's last
+	// question, for one it re-queued), before the reconciler asks its
 	// destination about it (a message whose sends time out or whose
 	// responses are lost, say).
 	//
@@ -405,7 +406,7 @@ func (rc *Reconciler) Reconcile(ctx context.Context) (rep ReconcileReport, err e
 	// cannot take the run's MaxMessages places from the others'.
 	rep.Waiting = rc.waits.active(time.Now())
 	rows, err := rc.ob.pool.Query(ctx, `SELECT id, idempotency_key, destination, name, headers, payload, attempts, requeues, state, coalesce(last_error, ''),
-  coalesce(unacked_since < now() - make_interval(secs => $5), false), xmin::text
+  coalesce(unacked_since < now() - make_interval(secs => $5), false), xmin::text, now()
 FROM `+t+`
 WHERE (state = 'dead'
    OR (state = 'pending' AND unacked_since < now() - make_interval(secs => $1))
@@ -415,6 +416,11 @@ ORDER BY (state = 'dead' AND requeues >= $3), checked_at NULLS FIRST, id LIMIT $
 	if err != nil {
 		return rep, fmt.Errorf("outbox: reconcile: %w", translate(err))
 	}
+	// The query's now() was read no later than this, by the database's
+	// clock: readNow plus the time from readAt to a question is no later
+	// than the question, by the same clock.
+	readAt := time.Now()
+	var readNow time.Time
 	type candidate struct {
 		d            Delivery
 		requeues     int
@@ -429,7 +435,7 @@ ORDER BY (state = 'dead' AND requeues >= $3), checked_at NULLS FIRST, id LIMIT $
 		var c candidate
 		var state string
 		var headers []byte
-		if err := rows.Scan(&c.d.ID, &c.d.Key, &c.d.Destination, &c.d.Name, &headers, &c.d.Payload, &c.d.Attempt, &c.requeues, &state, &c.lastError, &c.keyMayBeGone, &c.version); err != nil {
+		if err := rows.Scan(&c.d.ID, &c.d.Key, &c.d.Destination, &c.d.Name, &headers, &c.d.Payload, &c.d.Attempt, &c.requeues, &state, &c.lastError, &c.keyMayBeGone, &c.version, &readNow); err != nil {
 			rows.Close()
 			return rep, fmt.Errorf("outbox: reconcile: %w", err)
 		}
@@ -485,6 +491,7 @@ ORDER BY (state = 'dead' AND requeues >= $3), checked_at NULLS FIRST, id LIMIT $
 			unresolved("never sent: its headers are not a JSON object of strings: " + c.unreadable.Error())
 			continue
 		}
+		asked := readNow.Add(time.Since(readAt)) // the question's time at the latest, by the database's clock
 		applied, cerr := rc.check(ctx, c.d)
 		rejected := errors.Is(cerr, ErrRejected)
 		if wait := destinationWait(cerr); wait > 0 && !rejected {
@@ -527,13 +534,19 @@ ORDER BY (state = 'dead' AND requeues >= $3), checked_at NULLS FIRST, id LIMIT $
 		case c.state == StateDead && c.requeues >= rc.cfg.MaxRequeues:
 			unresolved(fmt.Sprintf("not applied at the destination; dead after %d re-queues (settle it by hand: docs/outbox.md, Dead letters)", c.requeues))
 			continue
+		// A re-queued message is unacknowledged from the question on: a
+		// send the destination had not finished when asked (one that timed
+		// out at the relay, which the destination went on with) may be
+		// applied after the answer, and its key is kept from then on only.
 		case c.state == StateDead:
 			sql = `UPDATE ` + t + ` SET state = 'pending', requeues = requeues + 1, tries = 0, next_attempt_at = now(),
-	settled_at = NULL, unacked_since = NULL
+	settled_at = NULL, unacked_since = $5
 ` + as
+			args = append(args, asked)
 		default:
-			sql = `UPDATE ` + t + ` SET state = 'pending', next_attempt_at = now(), lease_until = NULL, unacked_since = NULL
+			sql = `UPDATE ` + t + ` SET state = 'pending', next_attempt_at = now(), lease_until = NULL, unacked_since = $5
 ` + as
+			args = append(args, asked)
 		}
 		tag, err := rc.ob.pool.Exec(ctx, sql, args...)
 		if err != nil {

@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -843,7 +844,7 @@ func TestHTTPCheckerRejectedOnlyWhenNotApplied(t *testing.T) {
 
 // TestReconcilerRequeueStartsTheUnackedClockAgain pins the re-queue of a
 // pending message unacknowledged past UnackedAfter: it is due at once and
-// its unacknowledged time starts again (from its next lease), so the next
+// its unacknowledged time starts again (from the question), so the next
 // run does not ask about it again before UnackedAfter has passed anew. The
 // test's own checker counts the questions; the row is read by SQL.
 func TestReconcilerRequeueStartsTheUnackedClockAgain(t *testing.T) {
@@ -863,7 +864,8 @@ func TestReconcilerRequeueStartsTheUnackedClockAgain(t *testing.T) {
 		require.NoError(t, err)
 	}
 	require.Equal(t, int32(1), asked.Load(), "asked once, not again at the next run")
-	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'pending' AND next_attempt_at <= now() AND unacked_since IS NULL`))
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'pending' AND next_attempt_at <= now()
+	AND unacked_since BETWEEN now() - interval '1 minute' AND now()`))
 }
 
 // TestReconcilerWaitsWhenAsked: a status endpoint that answers with
@@ -1098,4 +1100,109 @@ func TestReconcilerRequeuesNothingSentSinceItAsked(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, outbox.RelayResult{Dead: 1}, res, "not sent again")
 	require.Equal(t, 1, rv.applied(t, keys[0]), "applied once")
+}
+
+// slowDestination is a destination that, as Stripe does, finishes a request
+// whose client has gone (timed out): each POST waits until finish is
+// closed, then applies its key once (a second POST of a key it remembers
+// applies nothing). GET /status/{key} answers 200 for a key it remembers,
+// else 404. forget drops every key, as a destination's key retention does.
+type slowDestination struct {
+	*httptest.Server
+	finish  chan struct{}
+	mu      sync.Mutex
+	keys    map[string]bool
+	applies map[string]int // every application of a key, remembered or not
+	once    sync.Once
+}
+
+// release lets the POSTs waiting and to come finish.
+func (sd *slowDestination) release() { sd.once.Do(func() { close(sd.finish) }) }
+
+func newSlowDestination(t *testing.T) *slowDestination {
+	t.Helper()
+	sd := &slowDestination{finish: make(chan struct{}), keys: map[string]bool{}, applies: map[string]int{}}
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /receipts", func(w http.ResponseWriter, r *http.Request) {
+		<-sd.finish // whatever the client does meanwhile
+		key := r.Header.Get(outbox.IdempotencyKeyHeader)
+		sd.mu.Lock()
+		if !sd.keys[key] {
+			sd.keys[key] = true
+			sd.applies[key]++
+		}
+		sd.mu.Unlock()
+		w.WriteHeader(http.StatusCreated)
+	})
+	mux.HandleFunc("GET /status/{key}", func(w http.ResponseWriter, r *http.Request) {
+		sd.mu.Lock()
+		defer sd.mu.Unlock()
+		if sd.keys[r.PathValue("key")] {
+			w.WriteHeader(http.StatusOK)
+			return
+		}
+		w.WriteHeader(http.StatusNotFound)
+	})
+	sd.Server = httptest.NewServer(mux)
+	t.Cleanup(sd.Close)
+	t.Cleanup(sd.release) // before Close, which waits for the POSTs
+	return sd
+}
+
+func (sd *slowDestination) applied(key string) int {
+	sd.mu.Lock()
+	defer sd.mu.Unlock()
+	return sd.applies[key]
+}
+
+func (sd *slowDestination) forget() {
+	sd.mu.Lock()
+	defer sd.mu.Unlock()
+	sd.keys = map[string]bool{}
+}
+
+// TestReconcilerRequeueCountsFromItsQuestion: a send times out at the relay
+// while the destination goes on with it; the reconciler asks before the
+// destination has applied it, hears "not applied", and re-queues it. The
+// destination then applies the send. The message's unacknowledged time
+// runs from the question, not from the next send: its relays down for a
+// day after the re-queue and the destination's key gone, the relay makes
+// it dead instead of sending it, and it is applied once, as counted by the
+// destination.
+func TestReconcilerRequeueCountsFromItsQuestion(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	sd := newSlowDestination(t)
+	keys := b.placeN(t, 1)
+	_, err := b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET attempts = 1, tries = 1, next_attempt_at = now(),
+	unacked_since = now() - interval '1 hour'`)
+	require.NoError(t, err)
+
+	sender, err := outbox.NewHTTPSender(outbox.HTTPSenderConfig{Endpoints: map[string]string{"receipts": sd.URL + "/receipts"}, Timeout: 200 * time.Millisecond})
+	require.NoError(t, err)
+	r, err := outbox.NewRelay(b.ob, outbox.RelayConfig{Sender: sender, MinBackoff: time.Hour, MaxBackoff: time.Hour})
+	require.NoError(t, err)
+	res, err := r.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, outbox.RelayResult{Retried: 1}, res, "timed out at the relay")
+
+	rc, err := outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{
+		Checker: outbox.HTTPChecker{URL: outbox.StatusURL(map[string]string{"receipts": sd.URL + "/status"})}})
+	require.NoError(t, err)
+	rep, err := rc.Reconcile(ctx)
+	require.NoError(t, err)
+	require.Equal(t, outbox.ReconcileReport{Checked: 1, Requeued: 1}, rep, "not applied yet")
+	sd.release()
+	require.Eventually(t, func() bool { return sd.applied(keys[0]) == 1 }, 5*time.Second, 10*time.Millisecond, "applied after the question")
+
+	// A day later: no relay ran, the destination forgot the key.
+	sd.forget()
+	_, err = b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET created_at = created_at - interval '25 hours',
+	unacked_since = unacked_since - interval '25 hours', next_attempt_at = now()`)
+	require.NoError(t, err)
+	res, err = r.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 1, sd.applied(keys[0]), "applied once")
+	require.Equal(t, outbox.RelayResult{Dead: 1}, res, "not sent again")
 }

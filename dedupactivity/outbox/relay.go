@@ -91,7 +91,9 @@ type RelayConfig struct {
 	// forgotten the key, and would apply it again. The reconciler reports
 	// it for a person to settle (docs/outbox.md, Dead letters). The time
 	// is taken as each send begins, so a message never sent is sent
-	// whatever its age.
+	// whatever its age; for a message the reconciler re-queued, it is the
+	// time of the reconciler's question, as a send the destination had not
+	// finished then may be applied after it.
 	//
 	// Defaults to DefaultKeyRetention (24h).
 	KeyRetention time.Duration
@@ -491,7 +493,8 @@ func (r *Relay) deliver(ctx context.Context, leaseEnd time.Time, d Delivery, res
 
 // begin records that d's send begins (see the in_send column), and from
 // when the message is unacknowledged (unacked_since: its first send since
-// it was acknowledged, settled or re-queued), if this relay still holds its
+// it was acknowledged, settled or re-queued by a person; since the
+// question, for one the reconciler re-queued), if this relay still holds its
 // lease and the lease has not ended; false when it has (the message is not
 // sent: the next claim takes it, giving the try back). unacked is how long
 // ago, by the database's clock, that first send began (0 for this one).
