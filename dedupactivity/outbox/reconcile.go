@@ -168,9 +168,11 @@ type ReconcilerConfig struct {
 	// would apply it again. It is reported instead, for a person to settle.
 	// Set it, and RelayConfig.KeyRetention, no longer than the shortest
 	// retention of the destinations, less the clock difference between
-	// this database and theirs: a destination behind idemhttp
-	// keeps keys for its Deduper's Retention (30 days by default); Stripe
-	// may remove a key once it is 24 hours old.
+	// this database and theirs and the relay's Lease (a send begun just
+	// inside KeyRetention reaches the destination up to a Lease later): a
+	// destination behind idemhttp keeps keys for its Deduper's Retention
+	// (30 days by default); Stripe may remove a key once it is 24 hours
+	// old.
 	//
 	// Defaults to DefaultKeyRetention (24h).
 	KeyRetention time.Duration

@@ -49,7 +49,8 @@ type Delivery struct {
 // what the error asks for (RetryAfter; a StatusError's RetryAfter). Send
 // must pass d.Key to the destination so that a re-send (after a crash
 // between send and acknowledgement, or a lost response) is applied once
-// there.
+// there. Send must return once ctx is done: the relay ends ctx at the end
+// of the message's lease, after which another relay may send the message.
 type Sender interface {
 	Send(ctx context.Context, d Delivery) error
 }
