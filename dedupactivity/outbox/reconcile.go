@@ -40,9 +40,12 @@ type CheckerFunc func(ctx context.Context, d Delivery) (bool, error)
 func (f CheckerFunc) Applied(ctx context.Context, d Delivery) (bool, error) { return f(ctx, d) }
 
 // HTTPChecker asks over HTTP: a GET of URL(destination, key) answered 200
-// means applied, 404 means not applied, 409 with the JSON body
+// with the JSON body {"applied":true} means applied, 404 with
+// {"applied":false} means not applied, 409 with
 // {"applied":false,"status":N} (N a 3xx or 4xx status) means refused for
-// good with status N (ErrRejected), anything else is unknown. A 429 or a
+// good with status N (ErrRejected), anything else is unknown: a status
+// without its body (a wrong URL's catch-all page or 404, say) says nothing
+// of the key. A 429 or a
 // 503 with a Retry-After header asks for that wait. No redirect is
 // followed: a 3xx is unknown, as a redirect's 200 (a login page, say)
 // would say nothing of the key. The idemhttp package's
@@ -93,24 +96,32 @@ func (c HTTPChecker) Applied(ctx context.Context, d Delivery) (bool, error) {
 		return false, fmt.Errorf("outbox: check %s: %w", d.Key, err)
 	}
 	defer drainClose(resp.Body)
-	switch resp.StatusCode {
-	case http.StatusOK:
+	// Every answer is read from its body as well as its status: a 200 or a
+	// 404 alone is also what a status URL that is wrong gets (a catch-all
+	// page, another service's 404), and taking that for "applied" would
+	// settle a message never applied.
+	var answer struct {
+		Applied *bool `json:"applied"`
+		Status  int   `json:"status"`
+	}
+	said := func(applied bool) bool { return answer.Applied != nil && *answer.Applied == applied }
+	if json.NewDecoder(io.LimitReader(resp.Body, 4096)).Decode(&answer) != nil {
+		answer.Applied = nil
+	}
+	switch {
+	case resp.StatusCode == http.StatusOK && said(true):
 		return true, nil
-	case http.StatusNotFound:
+	case resp.StatusCode == http.StatusNotFound && said(false):
 		return false, nil
-	case http.StatusConflict:
+	case resp.StatusCode == http.StatusConflict && said(false) && answer.Status >= 300 && answer.Status < 500:
 		// Only with a refusal's status in the body: a bare 409 is also how
 		// a server says "still in progress".
-		var refusal struct {
-			Applied *bool `json:"applied"`
-			Status  int   `json:"status"`
-		}
-		err := json.NewDecoder(io.LimitReader(resp.Body, 4096)).Decode(&refusal)
-		if err == nil && refusal.Applied != nil && !*refusal.Applied && refusal.Status >= 300 && refusal.Status < 500 {
-			return false, fmt.Errorf("%w: check %s: the destination answered it %d", ErrRejected, d.Key, refusal.Status)
-		}
+		return false, fmt.Errorf("%w: check %s: the destination answered it %d", ErrRejected, d.Key, answer.Status)
 	}
 	err = fmt.Errorf("outbox: check %s: status %d", d.Key, resp.StatusCode)
+	if resp.StatusCode == http.StatusOK || resp.StatusCode == http.StatusNotFound {
+		err = fmt.Errorf("%w, without the body {\"applied\":%t}", err, resp.StatusCode == http.StatusOK)
+	}
 	if wait := retryAfterHeader(resp.Header.Get("Retry-After"), time.Now()); wait > 0 && serviceWide(resp.StatusCode) {
 		return false, RetryAfter(fmt.Errorf("%w (Retry-After: %s)", err, wait), wait)
 	}

@@ -842,6 +842,62 @@ func TestHTTPCheckerRejectedOnlyWhenNotApplied(t *testing.T) {
 	require.NotErrorIs(t, err, outbox.ErrRejected)
 }
 
+// TestHTTPCheckerNeedsTheAnswersBody: a 200 or a 404 says "applied" or
+// "not applied" only with its JSON body. A status URL that is wrong (a
+// catch-all page answering 200, another service's 404) is an unknown
+// answer: a reconciler that took its 200 for "applied" settled a message
+// the destination never got, and nothing would send it again.
+func TestHTTPCheckerNeedsTheAnswersBody(t *testing.T) {
+	t.Parallel()
+	answers := map[string]struct {
+		status int
+		body   string
+	}{
+		"applied":          {http.StatusOK, `{"applied":true}`},
+		"not-applied":      {http.StatusNotFound, `{"applied":false}`},
+		"page":             {http.StatusOK, `<html>welcome</html>`},
+		"empty-200":        {http.StatusOK, ``},
+		"200-says-not":     {http.StatusOK, `{"applied":false}`},
+		"other-json":       {http.StatusOK, `{"ok":true}`},
+		"bare-404":         {http.StatusNotFound, `404 page not found`},
+		"404-says-applied": {http.StatusNotFound, `{"applied":true}`},
+	}
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		a := answers[r.URL.Path[1:]]
+		w.WriteHeader(a.status)
+		_, _ = io.WriteString(w, a.body)
+	}))
+	t.Cleanup(srv.Close)
+	c := outbox.HTTPChecker{URL: func(_, key string) string { return srv.URL + "/" + key }}
+	for key := range answers {
+		applied, err := c.Applied(context.Background(), outbox.Delivery{Key: key, Destination: "d"})
+		require.Equal(t, key == "applied", applied, key)
+		if key == "applied" || key == "not-applied" {
+			require.NoError(t, err, key)
+			continue
+		}
+		require.Error(t, err, key)
+		require.NotErrorIs(t, err, outbox.ErrRejected, key)
+	}
+
+	// Through a reconciler: a dead letter whose status URL answers a page
+	// is reported, not settled.
+	b := setup(t)
+	ctx := context.Background()
+	key := b.deadLetters(t, 1)[0]
+	rc, err := outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{Checker: outbox.HTTPChecker{
+		URL: func(string, string) string { return srv.URL + "/page" }}})
+	require.NoError(t, err)
+	rep, err := rc.Reconcile(ctx)
+	require.NoError(t, err)
+	require.Zero(t, rep.Applied)
+	require.Len(t, rep.Unresolved, 1)
+	require.Contains(t, rep.Unresolved[0].Reason, `status 200, without the body {"applied":true}`)
+	var state string
+	require.NoError(t, b.schema.Pool.QueryRow(ctx, `SELECT state FROM dedup_outbox WHERE idempotency_key = $1`, key).Scan(&state))
+	require.Equal(t, "dead", state)
+}
+
 // TestReconcilerRequeueStartsTheUnackedClockAgain pins the re-queue of a
 // pending message unacknowledged past UnackedAfter: it is due at once and
 // its unacknowledged time starts again (from the question), so the next
@@ -1105,8 +1161,9 @@ func TestReconcilerRequeuesNothingSentSinceItAsked(t *testing.T) {
 // slowDestination is a destination that, as Stripe does, finishes a request
 // whose client has gone (timed out): each POST waits until finish is
 // closed, then applies its key once (a second POST of a key it remembers
-// applies nothing). GET /status/{key} answers 200 for a key it remembers,
-// else 404. forget drops every key, as a destination's key retention does.
+// applies nothing). GET /status/{key} answers as idemhttp's StatusHandler
+// does: 200 {"applied":true} for a key it remembers, else 404
+// {"applied":false}. forget drops every key, as a destination's key retention does.
 type slowDestination struct {
 	*httptest.Server
 	finish  chan struct{}
@@ -1139,9 +1196,11 @@ func newSlowDestination(t *testing.T) *slowDestination {
 		defer sd.mu.Unlock()
 		if sd.keys[r.PathValue("key")] {
 			w.WriteHeader(http.StatusOK)
+			_, _ = io.WriteString(w, `{"applied":true}`)
 			return
 		}
 		w.WriteHeader(http.StatusNotFound)
+		_, _ = io.WriteString(w, `{"applied":false}`)
 	})
 	sd.Server = httptest.NewServer(mux)
 	t.Cleanup(sd.Close)
