@@ -59,10 +59,14 @@ FROM `+ob.table+` WHERE state = 'dead' ORDER BY settled_at NULLS FIRST, id LIMIT
 // kept stopping the relay is sent again, so re-queue it once that is
 // fixed). Its re-queues by the reconciler stay counted. Requeue only what
 // the destination has not applied, and within the time it keeps its keys:
-// a destination that forgot the key applies the message again.
+// a destination that forgot the key applies the message again. A message
+// sent before is unacknowledged from the Requeue on, as from a reconciler's
+// re-queue: a send the destination had not finished when it was asked may
+// be applied after, so the relay sends nothing once KeyRetention has passed
+// since (see RelayConfig.KeyRetention).
 func (ob *Outbox) Requeue(ctx context.Context, key string) error {
 	return ob.resolve(ctx, "requeue", key, `state = 'pending', tries = 0, stalls = 0, next_attempt_at = now(),
-	settled_at = NULL, unacked_since = NULL, checked_at = NULL, lease_until = NULL, in_send = false`)
+	settled_at = NULL, unacked_since = CASE WHEN attempts > 0 THEN now() END, checked_at = NULL, lease_until = NULL, in_send = false`)
 }
 
 // MarkApplied records that the dead message key was applied at its

@@ -60,8 +60,11 @@ func TestResolveDeadLetters(t *testing.T) {
 	_, err = b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET stalls = 5, checked_at = now() WHERE idempotency_key = $1`, keys[0])
 	require.NoError(t, err)
 	require.NoError(t, b.ob.Requeue(ctx, keys[0]))
+	// Sent before: unacknowledged from the Requeue on (the destination may
+	// still apply a send it had not finished when the person asked).
 	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE idempotency_key = $1 AND state = 'pending'
-		AND tries = 0 AND stalls = 0 AND requeues = 0 AND next_attempt_at <= now() AND settled_at IS NULL AND checked_at IS NULL`, keys[0]))
+		AND tries = 0 AND stalls = 0 AND requeues = 0 AND next_attempt_at <= now() AND settled_at IS NULL AND checked_at IS NULL
+		AND unacked_since >= now() - interval '1 minute'`, keys[0]))
 	res, err = r.RunOnce(ctx)
 	require.NoError(t, err)
 	require.Equal(t, outbox.RelayResult{Delivered: 1}, res)
@@ -69,6 +72,22 @@ func TestResolveDeadLetters(t *testing.T) {
 	err = b.ob.Requeue(ctx, keys[0])
 	require.ErrorIs(t, err, outbox.ErrNotDead)
 	require.ErrorContains(t, err, "it is sent")
+
+	// A dead letter never sent stays never sent: the relay sends it
+	// whatever its age.
+	placed, _, err := b.place(t, "never-sent", []string{"receipt"}, nil)
+	require.NoError(t, err)
+	unsent := placed[0]
+	_, err = b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET state = 'dead', settled_at = now(), created_at = now() - interval '2 days'
+		WHERE idempotency_key = $1`, unsent)
+	require.NoError(t, err)
+	require.NoError(t, b.ob.Requeue(ctx, unsent))
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE idempotency_key = $1 AND state = 'pending'
+		AND attempts = 0 AND unacked_since IS NULL`, unsent))
+	res, err = r.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, outbox.RelayResult{Delivered: 1}, res)
+	require.Equal(t, 1, rv.applied(t, unsent))
 
 	// MarkApplied and MarkRejected: settled, not sent.
 	require.NoError(t, b.ob.MarkApplied(ctx, keys[1]))
