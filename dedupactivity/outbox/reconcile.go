@@ -146,7 +146,10 @@ const (
 	DefaultMaxRequeues  = 3
 	DefaultReconcileMax = 1000
 	DefaultMaxWait      = time.Hour
-	DefaultKeyRetention = 24 * time.Hour
+	// DefaultKeyRetention is Stripe's 24 hours, the least a destination
+	// known to us keeps keys, less an hour for the relay's Lease and the
+	// difference between the clocks.
+	DefaultKeyRetention = 23 * time.Hour
 )
 
 // ReconcilerConfig configures a Reconciler.
@@ -185,7 +188,7 @@ type ReconcilerConfig struct {
 	// (30 days by default); Stripe may remove a key once it is 24 hours
 	// old.
 	//
-	// Defaults to DefaultKeyRetention (24h).
+	// Defaults to DefaultKeyRetention (23h).
 	KeyRetention time.Duration
 
 	// MaxMessages bounds the messages one Reconcile call looks at.

@@ -310,7 +310,7 @@ func TestReconcilerLeavesOldDeadLettersToAPerson(t *testing.T) {
 	require.Zero(t, rep.Requeued)
 	require.Len(t, rep.Unresolved, 1)
 	require.Equal(t, key, rep.Unresolved[0].Key)
-	require.Contains(t, rep.Unresolved[0].Reason, "KeyRetention (24h0m0s)")
+	require.Contains(t, rep.Unresolved[0].Reason, "KeyRetention (23h0m0s)")
 	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'dead' AND requeues = 0`))
 	res, err := r.RunOnce(ctx)
 	require.NoError(t, err)
@@ -354,7 +354,7 @@ func TestRelaySendsNothingOlderThanTheDestinationsKeys(t *testing.T) {
 	require.Equal(t, 1, rv.applied(t, unsent[0]), "never sent before: sent")
 	// attempts = 2: the claim that made it dead counts, as a stalled one's does.
 	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE idempotency_key = $1 AND state = 'dead' AND attempts = 2
-	AND last_error LIKE '%first sent 25h0m_s ago and not acknowledged since%(KeyRetention 24h0m0s)%'`, key))
+	AND last_error LIKE '%first sent 25h0m_s ago and not acknowledged since%(KeyRetention 23h0m0s)%'`, key))
 
 	rc, err := outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{Checker: rv.checker()})
 	require.NoError(t, err)
@@ -389,7 +389,7 @@ func TestReconcilerRequeuesNothingOlderThanTheDestinationsKeys(t *testing.T) {
 	require.NoError(t, err)
 	require.Zero(t, rep.Requeued)
 	require.Len(t, rep.Unresolved, 1)
-	require.Contains(t, rep.Unresolved[0].Reason, "first sent more than KeyRetention (24h0m0s) ago")
+	require.Contains(t, rep.Unresolved[0].Reason, "first sent more than KeyRetention (23h0m0s) ago")
 
 	res, err := r.RunOnce(ctx)
 	require.NoError(t, err)

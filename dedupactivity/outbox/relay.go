@@ -95,7 +95,7 @@ type RelayConfig struct {
 	// time of the reconciler's question, as a send the destination had not
 	// finished then may be applied after it.
 	//
-	// Defaults to DefaultKeyRetention (24h).
+	// Defaults to DefaultKeyRetention (23h).
 	KeyRetention time.Duration
 
 	// Logger receives Run's pass errors, a Sender's panics, messages it
