@@ -29,6 +29,12 @@ type DeadLetter struct {
 	// CreatedAt is when the message was enqueued (its effect committed);
 	// DiedAt when it went dead.
 	CreatedAt, DiedAt time.Time
+	// UnackedSince is when its first send not acknowledged since began (or
+	// its last re-queue, see Requeue), by the database's clock: the
+	// destination has had its key from then at the latest, so Requeue it
+	// only while that is within the time the destination keeps keys. Zero
+	// for a message never sent.
+	UnackedSince time.Time
 }
 
 // DeadLetters lists up to limit dead messages (at least 1), the longest
@@ -38,14 +44,18 @@ func (ob *Outbox) DeadLetters(ctx context.Context, limit int) ([]DeadLetter, err
 		return nil, fmt.Errorf("%w: DeadLetters limit must be at least 1, got %d", ErrInvalidConfig, limit)
 	}
 	rows, err := ob.pool.Query(ctx, `SELECT idempotency_key, destination, name, attempts, requeues, coalesce(last_error, ''),
-	created_at, coalesce(settled_at, created_at)
+	created_at, coalesce(settled_at, created_at), unacked_since
 FROM `+ob.table+` WHERE state = 'dead' ORDER BY settled_at NULLS FIRST, id LIMIT $1`, limit)
 	if err != nil {
 		return nil, fmt.Errorf("outbox: dead letters: %w", translate(err))
 	}
 	letters, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (DeadLetter, error) {
 		var l DeadLetter
-		err := row.Scan(&l.Key, &l.Destination, &l.Name, &l.Attempts, &l.Requeues, &l.LastError, &l.CreatedAt, &l.DiedAt)
+		var unacked *time.Time
+		err := row.Scan(&l.Key, &l.Destination, &l.Name, &l.Attempts, &l.Requeues, &l.LastError, &l.CreatedAt, &l.DiedAt, &unacked)
+		if unacked != nil {
+			l.UnackedSince = *unacked
+		}
 		return l, err
 	})
 	if err != nil {

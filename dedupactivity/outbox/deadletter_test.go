@@ -48,6 +48,7 @@ func TestResolveDeadLetters(t *testing.T) {
 			died = died.Add(-time.Hour)
 		}
 		require.WithinDuration(t, died, l.DiedAt, time.Minute)
+		require.WithinDuration(t, time.Now(), l.UnackedSince, time.Minute, "its one send began now")
 	}
 	top, err := b.ob.DeadLetters(ctx, 1)
 	require.NoError(t, err)
@@ -81,6 +82,11 @@ func TestResolveDeadLetters(t *testing.T) {
 	_, err = b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET state = 'dead', settled_at = now(), created_at = now() - interval '2 days'
 		WHERE idempotency_key = $1`, unsent)
 	require.NoError(t, err)
+	letters, err = b.ob.DeadLetters(ctx, 10)
+	require.NoError(t, err)
+	require.Len(t, letters, 3)
+	require.Equal(t, unsent, letters[2].Key)
+	require.True(t, letters[2].UnackedSince.IsZero(), "never sent")
 	require.NoError(t, b.ob.Requeue(ctx, unsent))
 	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE idempotency_key = $1 AND state = 'pending'
 		AND attempts = 0 AND unacked_since IS NULL`, unsent))
