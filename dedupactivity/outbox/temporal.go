@@ -37,13 +37,19 @@ func (rc *Reconciler) reconcileActivityName() string {
 	return reconcileWorkflowName + ":" + rc.ob.name
 }
 
-// RegisterRelay registers the relay workflow and r's relay activity on a
+// RegisterRelay registers the relay workflow and relay's activity on a
 // worker. The activity runs one pass (RunOnce), heartbeating after every
 // message, and returns its RelayResult; EnsureRelaySchedule runs it from a
 // Temporal Schedule, visible in the Web UI with every pass's result. Use it
 // alone when a delivery delay of up to the schedule's interval is fine, or
 // beside Run loops as a sweeper.
+//
+// It panics if relay was not made by NewRelay, as a worker's registration
+// does on a bad activity.
 func RegisterRelay(r worker.Registry, relay *Relay) {
+	if relay == nil || relay.ob == nil {
+		panic("outbox: RegisterRelay needs a Relay made by NewRelay")
+	}
 	// The same function for every outbox: registering it again is not a
 	// conflict.
 	r.RegisterWorkflowWithOptions(sweep[RelayResult], workflow.RegisterOptions{Name: relayWorkflowName, DisableAlreadyRegisteredCheck: true})
@@ -60,7 +66,11 @@ func (r *Relay) Activity(ctx context.Context) (RelayResult, error) {
 // worker; the activity runs Reconcile and returns its ReconcileReport, with
 // at most 500 keys listed in each of Rejected and Unresolved (see
 // ReconcileReport.NotListed).
+// It panics if rc was not made by NewReconciler.
 func RegisterReconciler(r worker.Registry, rc *Reconciler) {
+	if rc == nil || rc.ob == nil {
+		panic("outbox: RegisterReconciler needs a Reconciler made by NewReconciler")
+	}
 	r.RegisterWorkflowWithOptions(sweep[ReconcileReport], workflow.RegisterOptions{Name: reconcileWorkflowName, DisableAlreadyRegisteredCheck: true})
 	r.RegisterActivityWithOptions(rc.reconcileActivity, activity.RegisterOptions{Name: rc.reconcileActivityName()})
 }
@@ -75,8 +85,12 @@ type PruneResult struct {
 // worker. The activity runs Prune, heartbeating after each batch;
 // EnsurePruneSchedule runs it from a Temporal Schedule, so sent, applied
 // and rejected messages go once Options.Retention has passed instead of
-// piling up. Call it once for each outbox a worker prunes.
+// piling up. Call it once for each outbox a worker prunes. It panics if ob
+// was not made by New.
 func RegisterPruner(r worker.Registry, ob *Outbox) {
+	if ob == nil || ob.pool == nil {
+		panic("outbox: RegisterPruner needs an Outbox made by New")
+	}
 	r.RegisterWorkflowWithOptions(sweep[PruneResult], workflow.RegisterOptions{Name: pruneWorkflowName, DisableAlreadyRegisteredCheck: true})
 	r.RegisterActivityWithOptions(ob.pruneActivity, activity.RegisterOptions{Name: ob.pruneActivityName()})
 }
@@ -110,23 +124,35 @@ func withSweepOptions(ctx workflow.Context) workflow.Context {
 // exists with another interval or task queue, it is given these; its other
 // settings stay. A Schedule with the ID that runs other work (another
 // outbox's relay, or a reconciler) is left as it is, and the error wraps
-// ErrInvalidConfig.
+// ErrInvalidConfig, as does a nil r or c.
 func EnsureRelaySchedule(ctx context.Context, c client.Client, r *Relay, scheduleID, taskQueue string, interval time.Duration) error {
+	if r == nil || r.ob == nil {
+		return fmt.Errorf("%w: EnsureRelaySchedule needs a Relay made by NewRelay", ErrInvalidConfig)
+	}
 	return ensureSchedule(ctx, c, scheduleID, taskQueue, interval, relayWorkflowName, r.relayActivityName())
 }
 
 // EnsureReconcileSchedule is EnsureRelaySchedule for a Reconciler.
 func EnsureReconcileSchedule(ctx context.Context, c client.Client, rc *Reconciler, scheduleID, taskQueue string, interval time.Duration) error {
+	if rc == nil || rc.ob == nil {
+		return fmt.Errorf("%w: EnsureReconcileSchedule needs a Reconciler made by NewReconciler", ErrInvalidConfig)
+	}
 	return ensureSchedule(ctx, c, scheduleID, taskQueue, interval, reconcileWorkflowName, rc.reconcileActivityName())
 }
 
 // EnsurePruneSchedule is EnsureRelaySchedule for ob's pruning (see
 // RegisterPruner).
 func EnsurePruneSchedule(ctx context.Context, c client.Client, ob *Outbox, scheduleID, taskQueue string, interval time.Duration) error {
+	if ob == nil || ob.pool == nil {
+		return fmt.Errorf("%w: EnsurePruneSchedule needs an Outbox made by New", ErrInvalidConfig)
+	}
 	return ensureSchedule(ctx, c, scheduleID, taskQueue, interval, pruneWorkflowName, ob.pruneActivityName())
 }
 
 func ensureSchedule(ctx context.Context, c client.Client, id, taskQueue string, interval time.Duration, wf, act string) error {
+	if c == nil {
+		return fmt.Errorf("%w: the Temporal client is nil", ErrInvalidConfig)
+	}
 	if interval < time.Second {
 		return fmt.Errorf("%w: schedule interval must be at least 1s, got %s", ErrInvalidConfig, interval)
 	}
