@@ -155,8 +155,9 @@ func TestMisuseFailsAtWrapTime(t *testing.T) {
 	require.Panics(t, func() { dedupactivity.Register(nil, b.d, "", b.post) })
 	require.Panics(t, func() { dedupactivity.Register[Transfer, Posting](nil, nil, "Post", b.post) })
 	cases := map[string]func(){
-		"NilDeduper": func() { dedupactivity.Wrap[Transfer, Posting](nil, b.post) },
-		"NilEffect":  func() { dedupactivity.Wrap[Transfer, Posting](b.d, nil) },
+		"NilDeduper":  func() { dedupactivity.Wrap[Transfer, Posting](nil, b.post) },
+		"ZeroDeduper": func() { dedupactivity.Wrap[Transfer, Posting](&dedupactivity.Deduper{}, b.post) },
+		"NilEffect":   func() { dedupactivity.Wrap[Transfer, Posting](b.d, nil) },
 		"NilKey": func() {
 			dedupactivity.Wrap(b.d, b.post, dedupactivity.WithBusinessKey[Transfer](nil))
 		},
@@ -168,9 +169,25 @@ func TestMisuseFailsAtWrapTime(t *testing.T) {
 		})
 	}
 
+	// So is pruning with a Deduper New did not make, or without a client.
+	const pruner = "dedupactivity: RegisterPruner needs a Deduper made by New"
+	require.PanicsWithValue(t, pruner, func() { dedupactivity.RegisterPruner(nil, nil) })
+	require.PanicsWithValue(t, pruner, func() { dedupactivity.RegisterPruner(nil, &dedupactivity.Deduper{}) })
 	ctx := context.Background()
+	for _, d := range []*dedupactivity.Deduper{nil, {}} {
+		err := dedupactivity.EnsurePruneSchedule(ctx, nil, d, "prune", "q", time.Hour)
+		require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions)
+		require.ErrorContains(t, err, "needs a Deduper made by New")
+	}
+	err := dedupactivity.EnsurePruneSchedule(ctx, nil, b.d, "prune", "q", time.Hour)
+	require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions)
+	require.ErrorContains(t, err, "the Temporal client is nil")
+	_, err = dedupactivity.ClaimTx[Posting](ctx, &dedupactivity.Deduper{}, nil, dedupactivity.Identity{}, nil)
+	require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions)
+	require.ErrorContains(t, err, "not made by New")
+
 	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "k"}
-	_, _, err := dedupactivity.Do(ctx, b.d, id, Transfer{Account: "a", Amount: 1}, b.post,
+	_, _, err = dedupactivity.Do(ctx, b.d, id, Transfer{Account: "a", Amount: 1}, b.post,
 		dedupactivity.WithBusinessKey(func(in Transfer) (string, error) { return in.Account, nil }))
 	require.ErrorIs(t, err, dedupactivity.ErrInvalidOptions)
 	require.ErrorContains(t, err, "WithBusinessKey")

@@ -51,8 +51,8 @@ type Claim[Out any] struct {
 // partitioned layout is not supported (its key is the activity's
 // ScheduledTime).
 func ClaimTx[Out any](ctx context.Context, d *Deduper, tx pgx.Tx, id Identity, in any) (*Claim[Out], error) {
-	if d == nil {
-		return nil, fmt.Errorf("%w: Deduper is nil", ErrInvalidOptions)
+	if !d.made() {
+		return nil, fmt.Errorf("%w: Deduper is nil, or not made by New", ErrInvalidOptions)
 	}
 	info := infoFor(ctx, id)
 	var m *marker

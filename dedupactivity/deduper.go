@@ -28,6 +28,9 @@ type Deduper struct {
 	pruneBeat time.Duration
 }
 
+// made says whether d was made by New: not nil, and not a zero Deduper.
+func (d *Deduper) made() bool { return d != nil && d.pool != nil }
+
 // New returns a Deduper storing its markers through pool. opts is checked;
 // an error names the field at fault and wraps ErrInvalidOptions. New
 // registers the MetricOldestMarkerAge and MetricOverdueMarkerAge gauges

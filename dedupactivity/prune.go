@@ -103,7 +103,11 @@ type PruneResult struct {
 // worker, so a Temporal Schedule (EnsurePruneSchedule) can run Prune on the
 // same engine as everything else, visible in the Web UI. Call it once for
 // each Deduper a worker prunes: the workflow is shared, the activity is d's.
+// It panics if d was not made by New, as Register does.
 func RegisterPruner(r worker.Registry, d *Deduper) {
+	if !d.made() {
+		panic("dedupactivity: RegisterPruner needs a Deduper made by New")
+	}
 	// The same function each time: registering it again is not a conflict.
 	r.RegisterWorkflowWithOptions(pruneWorkflow, workflow.RegisterOptions{Name: pruneWorkflowName, DisableAlreadyRegisteredCheck: true})
 	r.RegisterActivityWithOptions(d.pruneActivity, activity.RegisterOptions{Name: d.pruneActivityName()})
@@ -163,6 +167,12 @@ func pruneWorkflow(ctx workflow.Context, activityName string) (PruneResult, erro
 // them (see Prune) is made up for before deliveries reach a range without
 // its partition, which sends them to the default partition for good.
 func EnsurePruneSchedule(ctx context.Context, c client.Client, d *Deduper, scheduleID, taskQueue string, interval time.Duration) error {
+	switch {
+	case !d.made():
+		return fmt.Errorf("%w: EnsurePruneSchedule needs a Deduper made by New", ErrInvalidOptions)
+	case c == nil:
+		return fmt.Errorf("%w: the Temporal client is nil", ErrInvalidOptions)
+	}
 	if interval < time.Minute {
 		return fmt.Errorf("%w: prune interval must be at least 1m, got %s", ErrInvalidOptions, interval)
 	}

@@ -142,8 +142,8 @@ type wrapper[In, Out any] struct {
 }
 
 func newWrapper[In, Out any](d *Deduper, fn EffectFunc[In, Out], opts []WrapOption) (*wrapper[In, Out], error) {
-	if d == nil {
-		return nil, fmt.Errorf("%w: Deduper is nil", ErrInvalidOptions)
+	if !d.made() {
+		return nil, fmt.Errorf("%w: Deduper is nil, or not made by New", ErrInvalidOptions)
 	}
 	if fn == nil {
 		return nil, fmt.Errorf("%w: EffectFunc is nil", ErrInvalidOptions)
