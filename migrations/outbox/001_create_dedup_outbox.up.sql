@@ -27,8 +27,12 @@ CREATE TABLE IF NOT EXISTS dedup_outbox (
     requeues        integer     NOT NULL DEFAULT 0,
     next_attempt_at timestamptz NOT NULL DEFAULT now(),
     lease_until     timestamptz,
-    -- When the first send of the current run of attempts began without an
-    -- acknowledgement since; the reconciler asks the destination past a bound.
+    -- When the first send not acknowledged since began, by the database's
+    -- clock, or the last re-queue (the reconciler's question; a person's
+    -- Requeue of a message sent before): a send the destination had not
+    -- finished then may be applied after. NULL for a message never sent.
+    -- The reconciler asks the destination past UnackedAfter; the relay sends
+    -- nothing past KeyRetention, when the destination may have forgotten the key.
     unacked_since   timestamptz,
     last_error      text,
     created_at      timestamptz NOT NULL DEFAULT now(),
