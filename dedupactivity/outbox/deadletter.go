@@ -73,10 +73,13 @@ FROM `+ob.table+` WHERE state = 'dead' ORDER BY settled_at NULLS FIRST, id LIMIT
 // sent before is unacknowledged from the Requeue on, as from a reconciler's
 // re-queue: a send the destination had not finished when it was asked may
 // be applied after, so the relay sends nothing once KeyRetention has passed
-// since (see RelayConfig.KeyRetention).
+// since (see RelayConfig.KeyRetention). A message never sent (UnackedSince
+// zero: one the relay made dead before a send began, for its headers, say,
+// though its attempts count that claim) stays never sent, and is sent
+// whatever the time since.
 func (ob *Outbox) Requeue(ctx context.Context, key string) error {
 	return ob.resolve(ctx, "requeue", key, `state = 'pending', tries = 0, stalls = 0, next_attempt_at = now(),
-	settled_at = NULL, unacked_since = CASE WHEN attempts > 0 THEN now() END, checked_at = NULL, lease_until = NULL, in_send = false`)
+	settled_at = NULL, unacked_since = CASE WHEN unacked_since IS NOT NULL THEN now() END, checked_at = NULL, lease_until = NULL, in_send = false`)
 }
 
 // MarkApplied records that the dead message key was applied at its

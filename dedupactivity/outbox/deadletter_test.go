@@ -146,3 +146,43 @@ func TestMarkRejectedKeepsTheLastError(t *testing.T) {
 	require.Len(t, letters, 1)
 	require.Equal(t, keys[1], letters[0].Key)
 }
+
+// TestRequeueOfADeadLetterTheRelayNeverSent: a message the relay made dead
+// without sending it (its headers could not be read) has attempts 1 but was
+// never sent: no destination has its key. A person fixes its headers and
+// re-queues it; it must stay never sent (unacked_since NULL), so that the
+// relay sends it whatever the time since, and not make it dead as "first
+// sent longer ago than KeyRetention" when the relays come back a day
+// later. Counted at the destination by SQL.
+func TestRequeueOfADeadLetterTheRelayNeverSent(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	rv := newReceiver(t)
+	ctx := context.Background()
+	keys := b.placeN(t, 1)
+	_, err := b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET headers = '[1]'`)
+	require.NoError(t, err)
+	r := b.relayTo(t, rv.URL+"/receipts", outbox.RelayConfig{})
+	res, err := r.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, outbox.RelayResult{Dead: 1}, res)
+	letters, err := b.ob.DeadLetters(ctx, 10)
+	require.NoError(t, err)
+	require.Len(t, letters, 1)
+	require.Equal(t, 1, letters[0].Attempts)
+	require.True(t, letters[0].UnackedSince.IsZero(), "never sent")
+
+	_, err = b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET headers = '{}'`)
+	require.NoError(t, err)
+	require.NoError(t, b.ob.Requeue(ctx, keys[0]))
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'pending' AND unacked_since IS NULL`), "still never sent")
+
+	// A day later: the relays were down.
+	_, err = b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET created_at = created_at - interval '25 hours',
+	unacked_since = unacked_since - interval '25 hours', next_attempt_at = now()`)
+	require.NoError(t, err)
+	res, err = r.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, outbox.RelayResult{Delivered: 1}, res)
+	require.Equal(t, 1, rv.applied(t, keys[0]))
+}
