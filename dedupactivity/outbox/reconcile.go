@@ -421,37 +421,39 @@ func (rc *Reconciler) Reconcile(ctx context.Context) (rep ReconcileReport, err e
 	// Destinations that asked to wait are left out, so that their messages
 	// cannot take the run's MaxMessages places from the others'.
 	rep.Waiting = rc.waits.active(time.Now())
+	queried := time.Now() // no later than the query's now()
 	rows, err := rc.ob.pool.Query(ctx, `SELECT id, idempotency_key, destination, name, headers, payload, attempts, requeues, state, coalesce(last_error, ''),
-  coalesce(unacked_since < now() - make_interval(secs => $5), false), xmin::text, now()
+  unacked_since, xmin::text, now()
 FROM `+t+`
 WHERE (state = 'dead'
    OR (state = 'pending' AND unacked_since < now() - make_interval(secs => $1))
    OR (state = 'sending' AND lease_until < now() AND unacked_since < now() - make_interval(secs => $1)))
   AND destination <> ALL($4::text[])
-ORDER BY (state = 'dead' AND requeues >= $3), checked_at NULLS FIRST, id LIMIT $2`, rc.cfg.UnackedAfter.Seconds(), rc.cfg.MaxMessages, rc.cfg.MaxRequeues, destinations(rep.Waiting), rc.cfg.KeyRetention.Seconds())
+ORDER BY (state = 'dead' AND requeues >= $3), checked_at NULLS FIRST, id LIMIT $2`, rc.cfg.UnackedAfter.Seconds(), rc.cfg.MaxMessages, rc.cfg.MaxRequeues, destinations(rep.Waiting))
 	if err != nil {
 		return rep, fmt.Errorf("outbox: reconcile: %w", translate(err))
 	}
 	// The query's now() was read no later than this, by the database's
 	// clock: readNow plus the time from readAt to a question is no later
-	// than the question, by the same clock.
+	// than the question, by the same clock; readNow plus the time from
+	// queried to an answer is no earlier than the answer.
 	readAt := time.Now()
 	var readNow time.Time
 	type candidate struct {
-		d            Delivery
-		requeues     int
-		state        State
-		lastError    string
-		unreadable   error  // why the headers could not be read
-		keyMayBeGone bool   // first sent longer ago than KeyRetention, and not acknowledged since
-		version      string // the row version read (xmin), which any change of the row replaces
+		d          Delivery
+		requeues   int
+		state      State
+		lastError  string
+		unreadable error      // why the headers could not be read
+		unacked    *time.Time // when its first send not acknowledged since began (nil: never sent)
+		version    string     // the row version read (xmin), which any change of the row replaces
 	}
 	var cands []candidate
 	for rows.Next() {
 		var c candidate
 		var state string
 		var headers []byte
-		if err := rows.Scan(&c.d.ID, &c.d.Key, &c.d.Destination, &c.d.Name, &headers, &c.d.Payload, &c.d.Attempt, &c.requeues, &state, &c.lastError, &c.keyMayBeGone, &c.version, &readNow); err != nil {
+		if err := rows.Scan(&c.d.ID, &c.d.Key, &c.d.Destination, &c.d.Name, &headers, &c.d.Payload, &c.d.Attempt, &c.requeues, &state, &c.lastError, &c.unacked, &c.version, &readNow); err != nil {
 			rows.Close()
 			return rep, fmt.Errorf("outbox: reconcile: %w", err)
 		}
@@ -529,6 +531,12 @@ ORDER BY (state = 'dead' AND requeues >= $3), checked_at NULLS FIRST, id LIMIT $
 			unresolved("unknown: " + cerr.Error())
 			continue
 		}
+		// Decided at the answer, not at the query: the run's checks before
+		// this one may have taken longer than what was left of
+		// KeyRetention, and a destination that forgot the key by its answer
+		// says "not applied" of a message it applied.
+		answered := readNow.Add(time.Since(queried)) // no earlier than the answer, by the database's clock
+		keyMayBeGone := c.unacked != nil && answered.Sub(*c.unacked) > rc.cfg.KeyRetention
 		// Each change is made only to the row version read: state and
 		// attempts alone can come back as they were (a relay that stops
 		// mid-send gives the message back with its attempt uncounted), and
@@ -544,7 +552,7 @@ ORDER BY (state = 'dead' AND requeues >= $3), checked_at NULLS FIRST, id LIMIT $
 		case applied:
 			sql = `UPDATE ` + t + ` SET state = 'applied', settled_at = now(), lease_until = NULL, unacked_since = NULL, in_send = false
 ` + as
-		case c.keyMayBeGone:
+		case keyMayBeGone:
 			unresolved(fmt.Sprintf("not applied at the destination by its answer, but first sent more than KeyRetention (%s) ago and not acknowledged since: the destination may have applied it and forgotten its key, so it is not re-queued (settle it by hand: docs/outbox.md, Dead letters)", rc.cfg.KeyRetention))
 			continue
 		case c.state == StateDead && c.requeues >= rc.cfg.MaxRequeues:
