@@ -30,10 +30,12 @@ type DeadLetter struct {
 	// DiedAt when it went dead.
 	CreatedAt, DiedAt time.Time
 	// UnackedSince is when its first send not acknowledged since began (or
-	// its last re-queue, see Requeue), by the database's clock: the
-	// destination has had its key from then at the latest, so Requeue it
-	// only while that is within the time the destination keeps keys. Zero
-	// for a message never sent.
+	// its last re-queue, see Requeue), by the database's clock: every send
+	// the destination may hold its key from reached it no earlier (a send
+	// it was still finishing at a re-queue's question counts from the
+	// question), so it keeps that key until at least UnackedSince plus its
+	// retention; Requeue it only while that is ahead. Zero for a message
+	// never sent.
 	UnackedSince time.Time
 }
 
