@@ -1274,8 +1274,8 @@ func TestReconcilerRequeueCountsFromItsQuestion(t *testing.T) {
 // when its destination answers "not applied": re-queued then (its
 // unacknowledged time started anew), the relay sends it again and the
 // destination applies it twice. Here the first check takes 1.5s and the
-// second message, first sent 1s before the run, is answered 2.5s after
-// that send, past a KeyRetention of 2s: it is reported, not re-queued.
+// second message, first sent 2s before the run, is answered 3.5s after
+// that send, past a KeyRetention of 3s: it is reported, not re-queued.
 // The states are read by SQL.
 func TestReconcilerKeyRetentionAtTheAnswer(t *testing.T) {
 	t.Parallel()
@@ -1283,9 +1283,9 @@ func TestReconcilerKeyRetentionAtTheAnswer(t *testing.T) {
 	b := setup(t)
 	keys := b.deadLetters(t, 2)
 	_, err := b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET attempts = 1,
-	unacked_since = CASE WHEN idempotency_key = $1 THEN now() ELSE now() - interval '1 second' END`, keys[0])
+	unacked_since = CASE WHEN idempotency_key = $1 THEN now() ELSE now() - interval '2 seconds' END`, keys[0])
 	require.NoError(t, err)
-	rc, err := outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{KeyRetention: 2 * time.Second,
+	rc, err := outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{KeyRetention: 3 * time.Second,
 		Checker: outbox.CheckerFunc(func(_ context.Context, d outbox.Delivery) (bool, error) {
 			if d.Key == keys[0] {
 				time.Sleep(1500 * time.Millisecond) // a slow status endpoint
@@ -1299,6 +1299,6 @@ func TestReconcilerKeyRetentionAtTheAnswer(t *testing.T) {
 	require.Equal(t, 1, rep.Requeued, "the first, sent just now")
 	require.Len(t, rep.Unresolved, 1)
 	require.Equal(t, keys[1], rep.Unresolved[0].Key)
-	require.Contains(t, rep.Unresolved[0].Reason, "first sent more than KeyRetention (2s) ago")
+	require.Contains(t, rep.Unresolved[0].Reason, "first sent more than KeyRetention (3s) ago")
 	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE idempotency_key = $1 AND state = 'dead' AND requeues = 0`, keys[1]))
 }
