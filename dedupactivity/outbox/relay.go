@@ -492,9 +492,10 @@ func (r *Relay) deliver(ctx context.Context, leaseEnd time.Time, d Delivery, res
 }
 
 // begin records that d's send begins (see the in_send column), and from
-// when the message is unacknowledged (unacked_since: its first send since
-// it was acknowledged, settled or re-queued by a person; since the
-// question, for one the reconciler re-queued), if this relay still holds its
+// when the message is unacknowledged (unacked_since: its first send, or
+// its first since it was acknowledged; since the question, for one the
+// reconciler re-queued, and since the Requeue, for one a person re-queued
+// after a send), if this relay still holds its
 // lease and the lease has not ended; false when it has (the message is not
 // sent: the next claim takes it, giving the try back). unacked is how long
 // ago, by the database's clock, that first send began (0 for this one).
