@@ -183,7 +183,10 @@ type ReconcilerConfig struct {
 	// Set it, and RelayConfig.KeyRetention, no longer than the shortest
 	// retention of the destinations, less the clock difference between
 	// this database and theirs and the relay's Lease (a send begun just
-	// inside KeyRetention reaches the destination up to a Lease later): a
+	// inside KeyRetention reaches the destination up to a Lease later), and
+	// the longest a destination takes over a request (a message re-queued
+	// counts from the question, but a send the destination was still
+	// finishing then reached it earlier, and its key is kept from then): a
 	// destination behind idemhttp keeps keys for its Deduper's Retention
 	// (30 days by default); Stripe may remove a key once it is 24 hours
 	// old.
