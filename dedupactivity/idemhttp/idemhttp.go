@@ -39,8 +39,9 @@
 //
 // A key is the header's value without the spaces and tabs around it, as
 // HTTP defines a field's value (net/http trims them over HTTP/1.1 only), at
-// most MaxKeyLength bytes. Keys are kept as long as the markers' retention (dedupactivity
-// Options.Retention, default 30 days); Deduper.Prune removes them.
+// most MaxKeyLength bytes. Keys are kept as long as the markers' retention
+// (dedupactivity Options.Retention, default 30 days); Deduper.Prune removes
+// them.
 //
 // Keys are one per Scope, whoever sends them, unless Options.Caller names
 // the client each request comes from: then, as Stripe keeps keys per
@@ -154,9 +155,8 @@ type Options struct {
 	// request with a key that gets as far as its claim (not for one refused
 	// for its key's length or its body's size), and by StatusHandler, so
 	// put the middleware behind your authentication. An empty name is one
-	// more caller, the
-	// unnamed, whose keys every unnamed request shares. Names of any length
-	// work: a key holds the name's SHA-256.
+	// more caller, the unnamed, whose keys every unnamed request shares.
+	// Names of any length work: a key holds the name's SHA-256.
 	//
 	// Defaults to nil: a key is one per Scope, whoever sends it.
 	Caller func(r *http.Request) string

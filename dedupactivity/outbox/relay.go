@@ -495,9 +495,9 @@ func (r *Relay) deliver(ctx context.Context, leaseEnd time.Time, d Delivery, res
 // when the message is unacknowledged (unacked_since: its first send, or
 // its first since it was acknowledged; since the question, for one the
 // reconciler re-queued, and since the Requeue, for one a person re-queued
-// after a send), if this relay still holds its
-// lease and the lease has not ended; false when it has (the message is not
-// sent: the next claim takes it, giving the try back). unacked is how long
+// after a send), if this relay still holds its lease and the lease has not
+// ended; false when it has (the message is not sent: the next claim takes
+// it, giving the try back). unacked is how long
 // ago, by the database's clock, that first send began (0 for this one).
 // The commit does not wait for the disk: a begin lost in a crash of the
 // database (within the WAL writer's delay) misses a stall and, for a first
