@@ -255,6 +255,10 @@ type RelayResult struct {
 	// for a wait (see RelayConfig.MinBackoff): due again after it, their
 	// try not counted.
 	Postponed int
+	// OutOfTime says the pass stopped before the messages due at its start
+	// were done, as its activity's time was running out (see
+	// RegisterRelay): the next run takes the rest.
+	OutOfTime bool
 }
 
 // Run delivers due messages until ctx is done, then returns nil. Errors of
@@ -287,10 +291,14 @@ func (r *Relay) Run(ctx context.Context) error {
 // leased by a relay whose lease has expired), batch by batch, and returns
 // what it did. Messages that fail in the pass are not retried in it.
 func (r *Relay) RunOnce(ctx context.Context) (RelayResult, error) {
-	return r.runOnce(ctx, nil)
+	return r.runOnce(ctx, nil, time.Time{})
 }
 
-func (r *Relay) runOnce(ctx context.Context, progress func(RelayResult)) (RelayResult, error) {
+// runOnce is RunOnce, calling progress after each message. With a stopBy,
+// it claims no batch whose lease would end after it: the pass ends by then
+// (a batch's sends are cut at its lease's end), with OutOfTime set if
+// messages are left.
+func (r *Relay) runOnce(ctx context.Context, progress func(RelayResult), stopBy time.Time) (RelayResult, error) {
 	var res RelayResult
 	var passStart time.Time
 	if err := r.ob.pool.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&passStart); err != nil {
@@ -301,6 +309,10 @@ func (r *Relay) runOnce(ctx context.Context, progress func(RelayResult)) (RelayR
 		// it comes no later than the end the database records, whatever
 		// the two clocks say.
 		leaseEnd := time.Now().Add(r.cfg.Lease)
+		if !stopBy.IsZero() && leaseEnd.After(stopBy) {
+			res.OutOfTime = true
+			return res, nil
+		}
 		batch, err := r.claim(ctx, passStart, destinations(r.waits.active(time.Now())))
 		if err != nil {
 			return res, err

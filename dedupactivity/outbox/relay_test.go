@@ -640,6 +640,33 @@ func TestRelayActivity(t *testing.T) {
 	require.Equal(t, 3, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'sent'`))
 }
 
+// TestRelayActivityEndsBeforeItsDeadline: a pass whose next batch's lease
+// would end within a minute of the activity's deadline (the test
+// environment's StartToClose is 10 minutes) claims nothing more and returns
+// with OutOfTime, the messages left for the next run, instead of running
+// into the timeout: a timed-out run is retried and, a backlog later, fails.
+func TestRelayActivityEndsBeforeItsDeadline(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	dest := newDestination(t, nil)
+	b.placeN(t, 3)
+	run := func(lease time.Duration) outbox.RelayResult {
+		r := b.relay(t, dest, outbox.RelayConfig{Lease: lease})
+		var suite testsuite.WorkflowTestSuite
+		env := suite.NewTestActivityEnvironment()
+		env.RegisterActivityWithOptions(r.Activity, activityNamed(outbox.RelayActivityName(r)))
+		val, err := env.ExecuteActivity(outbox.RelayActivityName(r))
+		require.NoError(t, err)
+		var res outbox.RelayResult
+		require.NoError(t, val.Get(&res))
+		return res
+	}
+	require.Equal(t, outbox.RelayResult{OutOfTime: true}, run(9*time.Minute+30*time.Second), "a lease past the deadline's last minute")
+	require.Equal(t, 3, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'pending' AND attempts = 0`), "left as they were")
+	require.Equal(t, outbox.RelayResult{Delivered: 3}, run(8*time.Minute), "a lease that ends before it")
+	require.Equal(t, 3, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'sent'`))
+}
+
 func TestRelayWorkflowRunsTheActivity(t *testing.T) {
 	t.Parallel()
 	var suite testsuite.WorkflowTestSuite

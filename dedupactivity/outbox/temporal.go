@@ -39,7 +39,11 @@ func (rc *Reconciler) reconcileActivityName() string {
 
 // RegisterRelay registers the relay workflow and relay's activity on a
 // worker. The activity runs one pass (RunOnce), heartbeating after every
-// message, and returns its RelayResult; EnsureRelaySchedule runs it from a
+// message, and returns its RelayResult; a pass that would outlast the
+// activity's StartToClose timeout (30 minutes: a backlog after an outage)
+// claims nothing in its last minute and one Lease, and returns with
+// OutOfTime set, so that the run succeeds and the next one goes on, where a
+// timed-out run would be retried and fail. EnsureRelaySchedule runs it from a
 // Temporal Schedule, visible in the Web UI with every pass's result. Use it
 // alone when a delivery delay of up to the schedule's interval is fine, or
 // beside Run loops as a sweeper.
@@ -57,10 +61,19 @@ func RegisterRelay(r worker.Registry, relay *Relay) {
 }
 
 // Activity is the relay activity that RegisterRelay registers: one pass
-// (RunOnce), heartbeating after every message.
+// (RunOnce), heartbeating after every message, that ends before the
+// activity's deadline (see RegisterRelay).
 func (r *Relay) Activity(ctx context.Context) (RelayResult, error) {
-	return r.runOnce(ctx, func(res RelayResult) { activity.RecordHeartbeat(ctx, res) })
+	var stopBy time.Time
+	if deadline := activity.GetInfo(ctx).Deadline; !deadline.IsZero() {
+		stopBy = deadline.Add(-sweepMargin)
+	}
+	return r.runOnce(ctx, func(res RelayResult) { activity.RecordHeartbeat(ctx, res) }, stopBy)
 }
+
+// sweepMargin is the time a relay activity leaves before its deadline, to
+// give back what it leased and report.
+const sweepMargin = time.Minute
 
 // RegisterReconciler registers the reconcile workflow and rc's activity on a
 // worker; the activity runs Reconcile and returns its ReconcileReport, with
