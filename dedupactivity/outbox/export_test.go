@@ -1,5 +1,7 @@
 package outbox
 
+import "context"
+
 // SetAfterSendHook installs a hook that runs after a successful send and
 // before its acknowledgement; an error stops the pass there, as if the relay
 // process had died.
@@ -23,3 +25,8 @@ func PruneActivityName(ob *Outbox) string { return ob.pruneActivityName() }
 
 // BacklogQuery is the count the outbox's gauges read at each collection.
 func BacklogQuery(ob *Outbox) string { return ob.backlogQuery() }
+
+// ReconcileActivity is the activity RegisterReconciler registers.
+func ReconcileActivity(rc *Reconciler) func(context.Context) (ReconcileReport, error) {
+	return rc.reconcileActivity
+}

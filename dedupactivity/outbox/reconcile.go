@@ -1,6 +1,7 @@
 package outbox
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -233,6 +234,7 @@ type ReconcilerConfig struct {
 type Reconciler struct {
 	ob         *Outbox
 	cfg        ReconcilerConfig
+	checkTime  time.Duration // the longest a check takes, when the Checker bounds it (HTTPChecker)
 	tracer     trace.Tracer
 	reconciled metric.Int64Counter
 	zero       *zeroSeries
@@ -268,6 +270,7 @@ func NewReconciler(ob *Outbox, cfg ReconcilerConfig) (*Reconciler, error) {
 	}
 	var noURL bool // an HTTPChecker that cannot ask
 	var timeout time.Duration
+	isHTTP := true
 	switch c := cfg.Checker.(type) {
 	case HTTPChecker:
 		noURL, timeout = c.URL == nil, c.Timeout
@@ -276,6 +279,8 @@ func NewReconciler(ob *Outbox, cfg ReconcilerConfig) (*Reconciler, error) {
 		if c != nil {
 			timeout = c.Timeout
 		}
+	default:
+		isHTTP = false
 	}
 	fn, isFunc := cfg.Checker.(CheckerFunc)
 	switch {
@@ -300,6 +305,9 @@ func NewReconciler(ob *Outbox, cfg ReconcilerConfig) (*Reconciler, error) {
 		cfg.MaxRequeues = 0
 	}
 	rc := &Reconciler{ob: ob, cfg: cfg, tracer: cfg.TracerProvider.Tracer(ScopeName)}
+	if isHTTP {
+		rc.checkTime = cmp.Or(timeout, DefaultHTTPTimeout)
+	}
 	var err error
 	if rc.reconciled, err = cfg.MeterProvider.Meter(ScopeName).Int64Counter(MetricReconciled,
 		metric.WithDescription("Outbox messages the reconciler settled or reported."), metric.WithUnit("{message}")); err != nil {
@@ -335,6 +343,11 @@ type ReconcileReport struct {
 	// end of its wait. Their messages not asked are in neither Unresolved
 	// nor Checked, and keep their place for the next run.
 	Waiting map[string]time.Time
+	// OutOfTime says the run stopped before asking about every message it
+	// read, as its activity's time was running out (see
+	// RegisterReconciler): those not asked keep their place for the next
+	// run.
+	OutOfTime bool
 	// NotListed counts the messages left out of Rejected and Unresolved in
 	// the reconcile activity's result (see RegisterReconciler), which lists
 	// at most 500 of each, with each LastError and Reason cut to 256
@@ -382,7 +395,11 @@ func cut(s string, n int) string {
 
 // reconcileActivity runs Reconcile and returns its report as listed.
 func (rc *Reconciler) reconcileActivity(ctx context.Context) (ReconcileReport, error) {
-	rep, err := rc.Reconcile(ctx)
+	var stopBy time.Time
+	if deadline := activity.GetInfo(ctx).Deadline; !deadline.IsZero() {
+		stopBy = deadline.Add(-sweepMargin)
+	}
+	rep, err := rc.reconcile(ctx, stopBy)
 	return rep.listed(), err
 }
 
@@ -404,7 +421,13 @@ type Unresolved struct {
 // asks their destinations, and settles them. Each change of state is
 // conditional on the message's row being the version read, so a relay that
 // sends it meanwhile wins, and the next run asks again.
-func (rc *Reconciler) Reconcile(ctx context.Context) (rep ReconcileReport, err error) {
+func (rc *Reconciler) Reconcile(ctx context.Context) (ReconcileReport, error) {
+	return rc.reconcile(ctx, time.Time{})
+}
+
+// reconcile is Reconcile; with a stopBy, it asks nothing once a check begun
+// then could end after stopBy, and reports OutOfTime.
+func (rc *Reconciler) reconcile(ctx context.Context, stopBy time.Time) (rep ReconcileReport, err error) {
 	ctx, span := rc.tracer.Start(ctx, "OutboxReconcile")
 	defer func() {
 		span.SetAttributes(
@@ -492,6 +515,10 @@ ORDER BY (state = 'dead' AND requeues >= $3), checked_at NULLS FIRST, id LIMIT $
 	for _, c := range cands {
 		if ctx.Err() != nil {
 			return rep, ctx.Err()
+		}
+		if !stopBy.IsZero() && time.Now().Add(rc.checkTime).After(stopBy) {
+			rep.OutOfTime = true
+			break
 		}
 		if _, ok := rep.Waiting[c.d.Destination]; ok {
 			// An earlier answer of this run asked to wait: not asked, and

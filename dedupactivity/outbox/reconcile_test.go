@@ -661,6 +661,41 @@ func TestReconcileActivity(t *testing.T) {
 	require.Equal(t, outbox.ReconcileReport{Checked: 1, Requeued: 1}, rep)
 }
 
+// TestReconcileActivityEndsBeforeItsDeadline: a run whose next check could
+// end within a minute of the activity's deadline (the test environment's
+// StartToClose is 10 minutes; an HTTPChecker's check takes at most its
+// Timeout) asks nothing more and returns with OutOfTime, the messages left
+// as they were for the next run, instead of running into the timeout.
+func TestReconcileActivityEndsBeforeItsDeadline(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	rv := newReceiver(t)
+	keys := b.deadLetters(t, 2)
+	run := func(timeout time.Duration) outbox.ReconcileReport {
+		checker := rv.checker().(outbox.HTTPChecker)
+		checker.Timeout = timeout
+		rc, err := outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{Checker: checker})
+		require.NoError(t, err)
+		var suite testsuite.WorkflowTestSuite
+		env := suite.NewTestActivityEnvironment()
+		env.RegisterActivityWithOptions(outbox.ReconcileActivity(rc), activityNamed(outbox.ReconcileActivityName(rc)))
+		val, err := env.ExecuteActivity(outbox.ReconcileActivityName(rc))
+		require.NoError(t, err)
+		var rep outbox.ReconcileReport
+		require.NoError(t, val.Get(&rep))
+		return rep
+	}
+	rep := run(9*time.Minute + 30*time.Second)
+	require.True(t, rep.OutOfTime, "a check that could end past the deadline's last minute")
+	require.Zero(t, rep.Checked)
+	require.Empty(t, rep.Unresolved)
+	require.Equal(t, 2, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE idempotency_key = ANY($1) AND state = 'dead' AND checked_at IS NULL`, keys), "left as they were")
+	rep = run(time.Minute)
+	require.False(t, rep.OutOfTime)
+	require.Equal(t, 2, rep.Checked)
+	require.Equal(t, 2, rep.Requeued)
+}
+
 // TestReconcilerSpentDeadLettersComeLast: dead letters out of re-queues
 // (reported on every run) do not crowd out a message the run can still
 // settle.

@@ -71,14 +71,18 @@ func (r *Relay) Activity(ctx context.Context) (RelayResult, error) {
 	return r.runOnce(ctx, func(res RelayResult) { activity.RecordHeartbeat(ctx, res) }, stopBy)
 }
 
-// sweepMargin is the time a relay activity leaves before its deadline, to
-// give back what it leased and report.
+// sweepMargin is the time the relay and reconcile activities leave before
+// their deadline, to give back what they leased, mark what they checked,
+// and report.
 const sweepMargin = time.Minute
 
 // RegisterReconciler registers the reconcile workflow and rc's activity on a
 // worker; the activity runs Reconcile and returns its ReconcileReport, with
 // at most 500 keys listed in each of Rejected and Unresolved (see
-// ReconcileReport.NotListed).
+// ReconcileReport.NotListed). A run that would outlast the activity's
+// StartToClose timeout (30 minutes: many slow checks) asks nothing once a
+// check begun could end within a minute of it (an HTTPChecker's checks
+// take at most its Timeout), and returns with OutOfTime set.
 // It panics if rc was not made by NewReconciler.
 func RegisterReconciler(r worker.Registry, rc *Reconciler) {
 	if rc == nil || rc.ob == nil {
