@@ -1,6 +1,9 @@
 package outbox
 
-import "context"
+import (
+	"context"
+	"time"
+)
 
 // SetAfterSendHook installs a hook that runs after a successful send and
 // before its acknowledgement; an error stops the pass there, as if the relay
@@ -29,4 +32,9 @@ func BacklogQuery(ob *Outbox) string { return ob.backlogQuery() }
 // ReconcileActivity is the activity RegisterReconciler registers.
 func ReconcileActivity(rc *Reconciler) func(context.Context) (ReconcileReport, error) {
 	return rc.reconcileActivity
+}
+
+// PruneUntil is the prune activity's Prune, beginning no batch after stopBy.
+func PruneUntil(ctx context.Context, ob *Outbox, stopBy time.Time) (int64, bool, error) {
+	return ob.prune(ctx, nil, stopBy)
 }

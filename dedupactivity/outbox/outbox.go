@@ -374,25 +374,32 @@ const pruneBatchSize = 1000
 // Options.Retention ago, in batches of 1000 (each its own short
 // transaction, skipping rows locked by others). Pending, sending and dead
 // messages are kept. It returns how many it deleted.
-func (ob *Outbox) Prune(ctx context.Context) (int64, error) { return ob.prune(ctx, nil) }
+func (ob *Outbox) Prune(ctx context.Context) (int64, error) {
+	n, _, err := ob.prune(ctx, nil, time.Time{})
+	return n, err
+}
 
 // prune is Prune, calling afterBatch (if not nil) with the running total
 // after each batch.
-func (ob *Outbox) prune(ctx context.Context, afterBatch func(deleted int64)) (int64, error) {
-	var deleted int64
+// prune is Prune, calling afterBatch after each batch. With a stopBy, it
+// begins no batch after it, and says so (outOfTime).
+func (ob *Outbox) prune(ctx context.Context, afterBatch func(deleted int64), stopBy time.Time) (deleted int64, outOfTime bool, err error) {
 	for {
+		if !stopBy.IsZero() && time.Now().After(stopBy) {
+			return deleted, true, nil
+		}
 		tag, err := ob.pool.Exec(ctx, `DELETE FROM `+ob.table+` WHERE id = ANY (ARRAY(
 	SELECT id FROM `+ob.table+` WHERE state IN ('sent', 'applied', 'rejected') AND settled_at < now() - make_interval(secs => $1)
 	ORDER BY settled_at LIMIT $2 FOR UPDATE SKIP LOCKED))`, ob.opts.Retention.Seconds(), pruneBatchSize)
 		if err != nil {
-			return deleted, fmt.Errorf("outbox: prune: %w", translate(err))
+			return deleted, false, fmt.Errorf("outbox: prune: %w", translate(err))
 		}
 		deleted += tag.RowsAffected()
 		if afterBatch != nil {
 			afterBatch(deleted)
 		}
 		if tag.RowsAffected() < pruneBatchSize {
-			return deleted, nil
+			return deleted, false, nil
 		}
 	}
 }

@@ -412,9 +412,19 @@ FROM (VALUES ('o1', 'sent', '31 days'), ('o2', 'applied', '31 days'), ('o3', 'de
 	('o6', 'rejected', '1 day')) AS v(order_id, state, age)
 WHERE convert_from(payload, 'UTF8')::jsonb->>'order' = v.order_id`)
 	require.NoError(t, err)
-	n, err := b.ob.Prune(ctx)
+	// The prune activity's Prune, past the time it may begin a batch
+	// (a minute before its deadline): it deletes nothing, and says so.
+	n, outOfTime, err := outbox.PruneUntil(ctx, b.ob, time.Now().Add(-time.Second))
 	require.NoError(t, err)
+	require.True(t, outOfTime)
+	require.Zero(t, n)
+	n, outOfTime, err = outbox.PruneUntil(ctx, b.ob, time.Now().Add(time.Hour))
+	require.NoError(t, err)
+	require.False(t, outOfTime)
 	require.Equal(t, int64(3), n, "sent, applied and rejected past Retention")
+	n, err = b.ob.Prune(ctx)
+	require.NoError(t, err)
+	require.Zero(t, n, "nothing left")
 	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'rejected'`), "the rejected one within Retention")
 	require.Equal(t, 2, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state IN ('dead', 'pending')`))
 

@@ -395,11 +395,7 @@ func cut(s string, n int) string {
 
 // reconcileActivity runs Reconcile and returns its report as listed.
 func (rc *Reconciler) reconcileActivity(ctx context.Context) (ReconcileReport, error) {
-	var stopBy time.Time
-	if deadline := activity.GetInfo(ctx).Deadline; !deadline.IsZero() {
-		stopBy = deadline.Add(-sweepMargin)
-	}
-	rep, err := rc.reconcile(ctx, stopBy)
+	rep, err := rc.reconcile(ctx, sweepStop(ctx))
 	return rep.listed(), err
 }
 

@@ -64,17 +64,19 @@ func RegisterRelay(r worker.Registry, relay *Relay) {
 // (RunOnce), heartbeating after every message, that ends before the
 // activity's deadline (see RegisterRelay).
 func (r *Relay) Activity(ctx context.Context) (RelayResult, error) {
-	var stopBy time.Time
-	if deadline := activity.GetInfo(ctx).Deadline; !deadline.IsZero() {
-		stopBy = deadline.Add(-sweepMargin)
-	}
-	return r.runOnce(ctx, func(res RelayResult) { activity.RecordHeartbeat(ctx, res) }, stopBy)
+	return r.runOnce(ctx, func(res RelayResult) { activity.RecordHeartbeat(ctx, res) }, sweepStop(ctx))
 }
 
-// sweepMargin is the time the relay and reconcile activities leave before
-// their deadline, to give back what they leased, mark what they checked,
-// and report.
-const sweepMargin = time.Minute
+// sweepStop is when a relay, reconcile or prune activity stops beginning
+// work: a minute before its deadline, to give back what it leased, mark
+// what it checked, and report. Zero without a deadline.
+func sweepStop(ctx context.Context) time.Time {
+	deadline := activity.GetInfo(ctx).Deadline
+	if deadline.IsZero() {
+		return time.Time{}
+	}
+	return deadline.Add(-time.Minute)
+}
 
 // RegisterReconciler registers the reconcile workflow and rc's activity on a
 // worker; the activity runs Reconcile and returns its ReconcileReport, with
@@ -96,10 +98,15 @@ func RegisterReconciler(r worker.Registry, rc *Reconciler) {
 type PruneResult struct {
 	// Deleted counts the settled messages deleted.
 	Deleted int64
+	// OutOfTime says the run stopped with messages left to delete, as its
+	// activity's time was running out: the next run deletes them.
+	OutOfTime bool
 }
 
 // RegisterPruner registers the prune workflow and ob's prune activity on a
-// worker. The activity runs Prune, heartbeating after each batch;
+// worker. The activity runs Prune, heartbeating after each batch, and
+// begins no batch in the last minute before its deadline (its result then
+// says OutOfTime);
 // EnsurePruneSchedule runs it from a Temporal Schedule, so sent, applied
 // and rejected messages go once Options.Retention has passed instead of
 // piling up. Call it once for each outbox a worker prunes. It panics if ob
@@ -114,8 +121,8 @@ func RegisterPruner(r worker.Registry, ob *Outbox) {
 
 // pruneActivity prunes, heartbeating after each batch.
 func (ob *Outbox) pruneActivity(ctx context.Context) (PruneResult, error) {
-	n, err := ob.prune(ctx, func(deleted int64) { activity.RecordHeartbeat(ctx, deleted) })
-	return PruneResult{Deleted: n}, err
+	n, outOfTime, err := ob.prune(ctx, func(deleted int64) { activity.RecordHeartbeat(ctx, deleted) }, sweepStop(ctx))
+	return PruneResult{Deleted: n, OutOfTime: outOfTime}, err
 }
 
 // sweep is the relay, reconcile and prune workflows: it runs one activity
