@@ -282,7 +282,7 @@ func (d *Deduper) sendClaim(ctx context.Context, tx *claimTx, q *pgx.QueuedQuery
 			if _, err = t.exec(); err == nil { // BEGIN
 				if look {
 					var found bool
-					found, err = looked(t, tx.m)
+					found, err = d.store.looked(t, tx.m)
 					ok = !found
 				} else {
 					ok, err = d.store.claimed(t, tx.m)

@@ -21,8 +21,8 @@ const partitionLockTimeout = 500 * time.Millisecond
 // takes a lock on the table that claims do not conflict with (SHARE UPDATE
 // EXCLUSIVE, not CREATE TABLE ... PARTITION OF's ACCESS EXCLUSIVE), and
 // ACCESS EXCLUSIVE on the default partition, which only claims routed there
-// and those whose look runs a generic plan (which locks every partition:
-// most first attempts, after a connection's fifth) hold. A claim routed to
+// hold (a first attempt's look is planned for its parameters, so it locks
+// its own partition alone: see store.lookPlans). A claim routed to
 // the default partition while it runs would fail on the new range's row:
 // so only ranges no delivery can be scheduled in yet are made that way,
 // with a minute's margin for the clocks of the workers, the Temporal server

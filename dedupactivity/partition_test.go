@@ -328,8 +328,8 @@ func dropPartition(t *testing.T, b *testBundle, name string) {
 // keep Prune from making a partition ahead: it is attached, under a lock
 // on the table that claims do not conflict with. CREATE TABLE ... PARTITION
 // OF waited for the claim, held up every claim behind it, and gave up at
-// its lock timeout. (A first attempt's look with a generic plan holds the
-// default partition's lock, which the attach waits for: see attachAhead.)
+// its lock timeout. (A first attempt's look: see
+// TestPartitionMadeAheadBesideALongFirstAttempt.)
 func TestPartitionMadeAheadBesideALongClaim(t *testing.T) {
 	t.Parallel()
 	iv := time.Hour
@@ -865,4 +865,51 @@ func TestOldestMarkerAgeInAnyDateStyle(t *testing.T) {
 		require.Len(t, got, 1, tz)
 		require.InDelta(t, time.Since(current).Seconds(), got[0], 5, "%s: the current partition's start", tz)
 	}
+}
+
+// TestPartitionMadeAheadBesideALongFirstAttempt: a first attempt whose
+// claim rode with its effect as a look, and whose effect is still running,
+// does not keep Prune from attaching a partition ahead, however the
+// connection plans the look. Planned generically (as plan_cache_mode =
+// auto does after a connection's fifth look), the look locked every
+// partition, the default one included, until its commit: the attach, which
+// takes the default partition's ACCESS EXCLUSIVE lock, waited out its lock
+// timeout with the claims behind it, and the partition was left undone at
+// every run that met an effect longer than 500ms.
+func TestPartitionMadeAheadBesideALongFirstAttempt(t *testing.T) {
+	t.Parallel()
+	iv := time.Hour
+	opts := dedupactivity.Options{PartitionInterval: iv, PartitionsAhead: 2}
+	b := setup(t, opts)
+	ctx := context.Background()
+	ahead := partitionName(time.Now().Truncate(iv).Add(2 * iv)) // at least an hour ahead
+	dropPartition(t, b, ahead)
+
+	cpool := b.newPool(t, func(cfg *pgxpool.Config) { cfg.ConnConfig.RuntimeParams["plan_cache_mode"] = "force_generic_plan" })
+	claimer, err := dedupactivity.New(cpool, opts)
+	require.NoError(t, err)
+	running, release := make(chan struct{}), make(chan struct{})
+	fn := dedupactivity.Wrap(claimer, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+		p, err := b.post(ctx, tx, in) // its first statement rides with the look
+		close(running)
+		<-release
+		return p, err
+	})
+	done := make(chan error, 1)
+	go func() {
+		_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
+		done <- err
+	}()
+	<-running
+
+	start := time.Now()
+	_, err = b.d.Prune(ctx)
+	took := time.Since(start)
+	close(release)
+	require.NoError(t, <-done)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), b.count(t, `SELECT count(*) FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid WHERE c.relname = $1 AND i.inhparent = 'dedup_marker'::regclass`, ahead),
+		"the partition ahead is made while the first attempt's effect runs (Prune took %s)", took)
+	require.Equal(t, int64(1), b.ledgerRows(t))
+	require.Equal(t, int64(1), b.markers(t))
 }

@@ -83,6 +83,17 @@ type store struct {
 	// for. Planned for its parameters, it locks its marker's partition
 	// alone.
 	customPlans *stmt
+	// lookPlans has the look that follows it planned for its parameters
+	// (partitioned layout), saving the transaction's plan_cache_mode in a
+	// custom setting, which the look puts back: a generic plan of the look
+	// locks every partition, the default one included, until the
+	// transaction ends, so a first attempt whose effect ran longer than
+	// the pruner's lock timeout kept a partition ahead from being attached
+	// (its ACCESS EXCLUSIVE lock on the default partition), with the
+	// claims behind the attach's lock request. Planned for its parameters,
+	// the look locks its marker's partition alone. The effect's statements
+	// are planned as the session plans them.
+	lookPlans *stmt
 	// complete stores the result in the marker, found by its ctid, after
 	// checking, as guard does, that the transaction is still the claim's,
 	// and that the table is (see store). The checks are an uncorrelated
@@ -214,7 +225,11 @@ WHERE set_config('lock_timeout', $7, true) IS NOT NULL AND CASE WHEN `+self+` = 
 	st.stmts = []*stmt{beginStmt, commitStmt, rollbackStmt, st.look, st.insert, st.insertLast, st.complete, st.guard, st.read, st.self}
 	if partitioned {
 		st.customPlans = newStmt(`SELECT set_config('plan_cache_mode', 'force_custom_plan', true)`)
-		st.stmts = append(st.stmts, st.customPlans)
+		st.lookPlans = newStmt(`SELECT set_config('dedupactivity.plan_cache_mode', current_setting('plan_cache_mode'), true) || set_config('plan_cache_mode', 'force_custom_plan', true)`)
+		// The look puts the saved plan_cache_mode back as it runs: its own
+		// plan was chosen when it was bound, before.
+		st.look = newStmt(`SELECT EXISTS (SELECT FROM `+table+` WHERE id_hash = $1`+keyCond+`), current_setting('transaction_read_only') = 'on', `+self+`, set_config('plan_cache_mode', current_setting('dedupactivity.plan_cache_mode'), true)`, key...)
+		st.stmts = []*stmt{beginStmt, commitStmt, rollbackStmt, st.lookPlans, st.look, st.insert, st.insertLast, st.complete, st.guard, st.read, st.self, st.customPlans}
 	}
 	return st
 }
@@ -289,8 +304,7 @@ func (s *store) createPartition(name string, lo, hi time.Time) string {
 // of its own, then attaches it (see attachAhead). The attach builds the
 // table's primary key index, on no rows, and reads the default partition
 // for rows of the range under that partition's lock (which claims routed
-// there, and first attempts' looks with a generic plan, hold: see
-// attachAhead).
+// there hold: see attachAhead).
 func (s *store) attachPartition(name string, lo, hi time.Time) []string {
 	return []string{
 		// The attach's lock on the table first: it conflicts with itself,
@@ -510,15 +524,24 @@ func decodeHex(s []byte) ([]byte, error) {
 	return b, nil
 }
 
-// addLook queues the look for m's committed marker; looked reads it, and
-// the table's OID into m.table. A read-only transaction is ErrReadOnly.
+// addLook queues the look for m's committed marker (in the partitioned
+// layout after lookPlans); looked reads it, and the table's OID into
+// m.table. A read-only transaction is ErrReadOnly.
 func (s *store) addLook(t *trip, m *marker) {
+	if s.lookPlans != nil {
+		t.add(s.lookPlans)
+	}
 	t.bytea(m.sum[:])
 	s.scheduledAt(t, m)
 	t.add(s.look)
 }
 
-func looked(t *trip, m *marker) (found bool, err error) {
+func (s *store) looked(t *trip, m *marker) (found bool, err error) {
+	if s.lookPlans != nil {
+		if _, err := t.exec(); err != nil {
+			return false, err
+		}
+	}
 	var readOnly bool
 	got, err := t.row(func(cols [][]byte) (err error) {
 		if found, err = colBool(cols[0]); err != nil {
