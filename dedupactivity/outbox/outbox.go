@@ -380,9 +380,8 @@ func (ob *Outbox) Prune(ctx context.Context) (int64, error) {
 }
 
 // prune is Prune, calling afterBatch (if not nil) with the running total
-// after each batch.
-// prune is Prune, calling afterBatch after each batch. With a stopBy, it
-// begins no batch after it, and says so (outOfTime).
+// after each batch. With a stopBy, it begins no batch after it, and says so
+// (outOfTime).
 func (ob *Outbox) prune(ctx context.Context, afterBatch func(deleted int64), stopBy time.Time) (deleted int64, outOfTime bool, err error) {
 	for {
 		if !stopBy.IsZero() && time.Now().After(stopBy) {

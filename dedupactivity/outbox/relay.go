@@ -255,9 +255,9 @@ type RelayResult struct {
 	// for a wait (see RelayConfig.MinBackoff): due again after it, their
 	// try not counted.
 	Postponed int
-	// OutOfTime says the pass stopped before the messages due at its start
-	// were done, as its activity's time was running out (see
-	// RegisterRelay): the next run takes the rest.
+	// OutOfTime says the pass stopped early, as its activity's time was
+	// running out (see RegisterRelay): messages due at its start may be
+	// left, for the next run.
 	OutOfTime bool
 }
 
@@ -296,8 +296,7 @@ func (r *Relay) RunOnce(ctx context.Context) (RelayResult, error) {
 
 // runOnce is RunOnce, calling progress after each message. With a stopBy,
 // it claims no batch whose lease would end after it: the pass ends by then
-// (a batch's sends are cut at its lease's end), with OutOfTime set if
-// messages are left.
+// (a batch's sends are cut at its lease's end), with OutOfTime set.
 func (r *Relay) runOnce(ctx context.Context, progress func(RelayResult), stopBy time.Time) (RelayResult, error) {
 	var res RelayResult
 	var passStart time.Time

@@ -85,6 +85,7 @@ func sweepStop(ctx context.Context) time.Time {
 // StartToClose timeout (30 minutes: many slow checks) asks nothing once a
 // check begun could end within a minute of it (an HTTPChecker's checks
 // take at most its Timeout), and returns with OutOfTime set.
+//
 // It panics if rc was not made by NewReconciler.
 func RegisterReconciler(r worker.Registry, rc *Reconciler) {
 	if rc == nil || rc.ob == nil {
@@ -98,8 +99,8 @@ func RegisterReconciler(r worker.Registry, rc *Reconciler) {
 type PruneResult struct {
 	// Deleted counts the settled messages deleted.
 	Deleted int64
-	// OutOfTime says the run stopped with messages left to delete, as its
-	// activity's time was running out: the next run deletes them.
+	// OutOfTime says the run stopped early, as its activity's time was
+	// running out: messages left to delete go in the next run.
 	OutOfTime bool
 }
 
