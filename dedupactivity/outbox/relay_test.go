@@ -629,6 +629,14 @@ func TestRelayActivity(t *testing.T) {
 	dest := newDestination(t, nil)
 	r := b.relay(t, dest, outbox.RelayConfig{})
 	b.placeN(t, 3)
+	require.Equal(t, outbox.RelayResult{Delivered: 3}, runRelayActivity(t, r))
+	require.Equal(t, 3, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'sent'`))
+}
+
+// runRelayActivity runs r's relay activity in a test activity environment
+// (its StartToClose is 10 minutes) and returns its result.
+func runRelayActivity(t *testing.T, r *outbox.Relay) outbox.RelayResult {
+	t.Helper()
 	var suite testsuite.WorkflowTestSuite
 	env := suite.NewTestActivityEnvironment()
 	env.RegisterActivityWithOptions(r.Activity, activityNamed(outbox.RelayActivityName(r)))
@@ -636,8 +644,7 @@ func TestRelayActivity(t *testing.T) {
 	require.NoError(t, err)
 	var res outbox.RelayResult
 	require.NoError(t, val.Get(&res))
-	require.Equal(t, outbox.RelayResult{Delivered: 3}, res)
-	require.Equal(t, 3, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'sent'`))
+	return res
 }
 
 // TestRelayActivityEndsBeforeItsDeadline: a pass whose next batch's lease
@@ -651,15 +658,7 @@ func TestRelayActivityEndsBeforeItsDeadline(t *testing.T) {
 	dest := newDestination(t, nil)
 	b.placeN(t, 3)
 	run := func(lease time.Duration) outbox.RelayResult {
-		r := b.relay(t, dest, outbox.RelayConfig{Lease: lease})
-		var suite testsuite.WorkflowTestSuite
-		env := suite.NewTestActivityEnvironment()
-		env.RegisterActivityWithOptions(r.Activity, activityNamed(outbox.RelayActivityName(r)))
-		val, err := env.ExecuteActivity(outbox.RelayActivityName(r))
-		require.NoError(t, err)
-		var res outbox.RelayResult
-		require.NoError(t, val.Get(&res))
-		return res
+		return runRelayActivity(t, b.relay(t, dest, outbox.RelayConfig{Lease: lease}))
 	}
 	require.Equal(t, outbox.RelayResult{OutOfTime: true}, run(9*time.Minute+30*time.Second), "a lease past the deadline's last minute")
 	require.Equal(t, 3, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'pending' AND attempts = 0`), "left as they were")
