@@ -448,6 +448,9 @@ func (m *Middleware) caller(r *http.Request) string {
 	return m.opts.Caller(r)
 }
 
+// made says whether m was made by New: not nil, and not a zero Middleware.
+func (m *Middleware) made() bool { return m != nil && m.d != nil }
+
 // errNotNew is the panic of Handler and StatusHandler on a Middleware that
 // New did not make: a zero one has no key header, so it would pass every
 // request on unprotected.
@@ -455,7 +458,7 @@ const errNotNew = "idemhttp: the Middleware was not made by New"
 
 // Handler wraps next. It panics if m was not made by New, or next is nil.
 func (m *Middleware) Handler(next http.Handler) http.Handler {
-	if m == nil || m.d == nil {
+	if !m.made() {
 		panic(errNotNew)
 	}
 	if next == nil {
@@ -600,7 +603,7 @@ func (e *RejectedError) Is(target error) bool { return target == outbox.ErrRejec
 // it cannot tell. With Options.Caller it answers about the asking caller's
 // key. outbox.HTTPChecker reads it. It panics if m was not made by New.
 func (m *Middleware) StatusHandler() http.Handler {
-	if m == nil || m.d == nil {
+	if !m.made() {
 		panic(errNotNew)
 	}
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {

@@ -269,18 +269,17 @@ func NewReconciler(ob *Outbox, cfg ReconcilerConfig) (*Reconciler, error) {
 		cfg.MeterProvider = otel.GetMeterProvider()
 	}
 	var noURL bool // an HTTPChecker that cannot ask
-	var timeout time.Duration
-	isHTTP := true
+	var timeout, checkTime time.Duration
 	switch c := cfg.Checker.(type) {
 	case HTTPChecker:
 		noURL, timeout = c.URL == nil, c.Timeout
+		checkTime = cmp.Or(timeout, DefaultHTTPTimeout)
 	case *HTTPChecker:
 		noURL = c == nil || c.URL == nil
 		if c != nil {
 			timeout = c.Timeout
 		}
-	default:
-		isHTTP = false
+		checkTime = cmp.Or(timeout, DefaultHTTPTimeout)
 	}
 	fn, isFunc := cfg.Checker.(CheckerFunc)
 	switch {
@@ -304,10 +303,7 @@ func NewReconciler(ob *Outbox, cfg ReconcilerConfig) (*Reconciler, error) {
 	if cfg.MaxRequeues == -1 {
 		cfg.MaxRequeues = 0
 	}
-	rc := &Reconciler{ob: ob, cfg: cfg, tracer: cfg.TracerProvider.Tracer(ScopeName)}
-	if isHTTP {
-		rc.checkTime = cmp.Or(timeout, DefaultHTTPTimeout)
-	}
+	rc := &Reconciler{ob: ob, cfg: cfg, checkTime: checkTime, tracer: cfg.TracerProvider.Tracer(ScopeName)}
 	var err error
 	if rc.reconciled, err = cfg.MeterProvider.Meter(ScopeName).Int64Counter(MetricReconciled,
 		metric.WithDescription("Outbox messages the reconciler settled or reported."), metric.WithUnit("{message}")); err != nil {

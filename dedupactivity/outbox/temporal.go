@@ -26,6 +26,15 @@ const (
 	pruneWorkflowName     = "DedupOutboxPrune"
 )
 
+// made says whether ob was made by New: not nil, and not a zero Outbox.
+func (ob *Outbox) made() bool { return ob != nil && ob.pool != nil }
+
+// made says whether r was made by NewRelay.
+func (r *Relay) made() bool { return r != nil && r.ob != nil }
+
+// made says whether rc was made by NewReconciler.
+func (rc *Reconciler) made() bool { return rc != nil && rc.ob != nil }
+
 // pruneActivityName is the name of ob's prune activity.
 func (ob *Outbox) pruneActivityName() string { return pruneWorkflowName + ":" + ob.name }
 
@@ -51,7 +60,7 @@ func (rc *Reconciler) reconcileActivityName() string {
 // It panics if relay was not made by NewRelay, as a worker's registration
 // does on a bad activity.
 func RegisterRelay(r worker.Registry, relay *Relay) {
-	if relay == nil || relay.ob == nil {
+	if !relay.made() {
 		panic("outbox: RegisterRelay needs a Relay made by NewRelay")
 	}
 	// The same function for every outbox: registering it again is not a
@@ -88,7 +97,7 @@ func sweepStop(ctx context.Context) time.Time {
 //
 // It panics if rc was not made by NewReconciler.
 func RegisterReconciler(r worker.Registry, rc *Reconciler) {
-	if rc == nil || rc.ob == nil {
+	if !rc.made() {
 		panic("outbox: RegisterReconciler needs a Reconciler made by NewReconciler")
 	}
 	r.RegisterWorkflowWithOptions(sweep[ReconcileReport], workflow.RegisterOptions{Name: reconcileWorkflowName, DisableAlreadyRegisteredCheck: true})
@@ -113,7 +122,7 @@ type PruneResult struct {
 // piling up. Call it once for each outbox a worker prunes. It panics if ob
 // was not made by New.
 func RegisterPruner(r worker.Registry, ob *Outbox) {
-	if ob == nil || ob.pool == nil {
+	if !ob.made() {
 		panic("outbox: RegisterPruner needs an Outbox made by New")
 	}
 	r.RegisterWorkflowWithOptions(sweep[PruneResult], workflow.RegisterOptions{Name: pruneWorkflowName, DisableAlreadyRegisteredCheck: true})
@@ -151,7 +160,7 @@ func withSweepOptions(ctx workflow.Context) workflow.Context {
 // outbox's relay, or a reconciler) is left as it is, and the error wraps
 // ErrInvalidConfig, as does a nil r or c.
 func EnsureRelaySchedule(ctx context.Context, c client.Client, r *Relay, scheduleID, taskQueue string, interval time.Duration) error {
-	if r == nil || r.ob == nil {
+	if !r.made() {
 		return fmt.Errorf("%w: EnsureRelaySchedule needs a Relay made by NewRelay", ErrInvalidConfig)
 	}
 	return ensureSchedule(ctx, c, scheduleID, taskQueue, interval, relayWorkflowName, r.relayActivityName())
@@ -159,7 +168,7 @@ func EnsureRelaySchedule(ctx context.Context, c client.Client, r *Relay, schedul
 
 // EnsureReconcileSchedule is EnsureRelaySchedule for a Reconciler.
 func EnsureReconcileSchedule(ctx context.Context, c client.Client, rc *Reconciler, scheduleID, taskQueue string, interval time.Duration) error {
-	if rc == nil || rc.ob == nil {
+	if !rc.made() {
 		return fmt.Errorf("%w: EnsureReconcileSchedule needs a Reconciler made by NewReconciler", ErrInvalidConfig)
 	}
 	return ensureSchedule(ctx, c, scheduleID, taskQueue, interval, reconcileWorkflowName, rc.reconcileActivityName())
@@ -168,7 +177,7 @@ func EnsureReconcileSchedule(ctx context.Context, c client.Client, rc *Reconcile
 // EnsurePruneSchedule is EnsureRelaySchedule for ob's pruning (see
 // RegisterPruner).
 func EnsurePruneSchedule(ctx context.Context, c client.Client, ob *Outbox, scheduleID, taskQueue string, interval time.Duration) error {
-	if ob == nil || ob.pool == nil {
+	if !ob.made() {
 		return fmt.Errorf("%w: EnsurePruneSchedule needs an Outbox made by New", ErrInvalidConfig)
 	}
 	return ensureSchedule(ctx, c, scheduleID, taskQueue, interval, pruneWorkflowName, ob.pruneActivityName())
