@@ -166,7 +166,7 @@ func (d *Deduper) claim(ctx context.Context, m *marker, ride bool, fn applyFunc)
 		}
 		return a, d.endedByEffect(ctx, tx.conn, m)
 	case 'E':
-		return a, errors.New("dedupactivity: a statement of the effect failed but the effect returned no error; all was rolled back")
+		return a, d.failedUnreported(ctx, tx)
 	}
 	m.result = result
 	if tx.state == stateLooked {
@@ -486,12 +486,42 @@ func (d *Deduper) endedByEffect(ctx context.Context, conn *pgx.Conn, m *marker) 
 	case err != nil:
 		return fmt.Errorf("%w; reading the marker to tell whether it committed failed: %w", ErrTxEnded, err)
 	case found && m.insertedBy(st.xmin):
-		return fmt.Errorf("%w: it ran COMMIT: the marker and the effect's writes before the COMMIT committed, without a result, and nothing after it; later deliveries apply nothing (and, unless results are discarded, fail with this error)", ErrTxEnded)
+		return errCommittedByEffect()
 	case found:
 		return fmt.Errorf("%w: it ran ROLLBACK: nothing of this attempt committed, and another attempt has applied the event since", ErrTxEnded)
 	default:
 		return fmt.Errorf("%w: it ran ROLLBACK: nothing of this attempt committed; a later delivery applies the effect", ErrTxEnded)
 	}
+}
+
+// failedUnreported is the error of an effect that returned no error while
+// its transaction is aborted: a statement of it failed, and the effect
+// swallowed the error. That is the claim's transaction, and all of it rolls
+// back, unless the effect ran COMMIT (and BEGIN) before the statement: the
+// marker's key was in (see ready), so the marker committed with the
+// effect's writes before the COMMIT. The marker, read with the rollback
+// (which replaces the one release would send), tells the two apart.
+func (d *Deduper) failedUnreported(ctx context.Context, tx *claimTx) error {
+	const failed = "dedupactivity: a statement of the effect failed but the effect returned no error"
+	if tx.state != stateClaimed {
+		// Only the look was sent: no call that could end the transaction
+		// has run (see ready).
+		return errors.New(failed + "; all was rolled back")
+	}
+	st, found, err := d.rollBackAndRead(ctx, tx.conn, tx.m)
+	switch {
+	case err != nil:
+		return fmt.Errorf("%s; reading the marker to tell whether an earlier COMMIT of the effect committed it failed: %w", failed, err)
+	case found && tx.m.insertedBy(st.xmin):
+		return errCommittedByEffect()
+	}
+	return errors.New(failed + "; all was rolled back")
+}
+
+// errCommittedByEffect is the error of an effect that ran COMMIT in the
+// claim's transaction after the marker's key went in.
+func errCommittedByEffect() error {
+	return fmt.Errorf("%w: it ran COMMIT: the marker and the effect's writes before the COMMIT committed, without a result, and nothing after it; later deliveries apply nothing (and, unless results are discarded, fail with this error)", ErrTxEnded)
 }
 
 // duplicate rolls back the claim transaction (it wrote nothing), reads the

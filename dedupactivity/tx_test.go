@@ -497,6 +497,47 @@ func TestSwallowedStatementErrorFailsTheAttempt(t *testing.T) {
 	}
 }
 
+// TestSwallowedFailureAfterTheEffectsCommit: an effect that ran COMMIT (and
+// BEGIN), then a statement that failed, and returned no error committed the
+// marker with its writes before the COMMIT: the attempt says so with
+// ErrTxEnded (non-retryable), as after COMMIT alone, not that all was rolled
+// back. After ROLLBACK and BEGIN nothing committed, and it says that.
+func TestSwallowedFailureAfterTheEffectsCommit(t *testing.T) {
+	t.Parallel()
+	for name, end := range map[string]string{"Commit": "COMMIT", "Rollback": "ROLLBACK"} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, dedupactivity.Options{})
+			fn := dedupactivity.Wrap(b.d, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+				p, err := b.post(ctx, tx, in)
+				if err != nil {
+					return p, err
+				}
+				for _, sql := range []string{end, "BEGIN"} {
+					if _, err := tx.Exec(ctx, sql); err != nil {
+						return p, err
+					}
+				}
+				_, failed := tx.Exec(ctx, "SELECT 1/$1::int", 0)
+				require.Error(t, failed)
+				return p, nil // the error swallowed
+			})
+			_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
+			if end == "COMMIT" {
+				require.ErrorIs(t, err, dedupactivity.ErrTxEnded)
+				require.ErrorContains(t, err, "it ran COMMIT")
+				require.True(t, appErr(t, err).NonRetryable())
+				require.Equal(t, int64(1), b.ledgerRows(t), "the writes before the COMMIT committed")
+				require.Equal(t, int64(1), b.markers(t))
+				return
+			}
+			require.ErrorContains(t, err, "all was rolled back")
+			require.Zero(t, b.ledgerRows(t))
+			require.Zero(t, b.markers(t))
+		})
+	}
+}
+
 // TestKeptTxCannotWriteIntoAnotherEvent: a Tx kept past its attempt, used
 // while its pooled connection (the pool's only one) carries another event's
 // transaction, returns pgx.ErrTxClosed and writes nothing into it.
