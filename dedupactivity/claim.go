@@ -248,6 +248,14 @@ func (d *Deduper) claimFailed(ctx context.Context, tx *claimTx, a attempt) (atte
 // and the round trip sent once more: nothing of it committed.
 func (d *Deduper) sendClaim(ctx context.Context, tx *claimTx, q *pgx.QueuedQuery) (t *trip, ok bool, err error) {
 	look := q != nil
+	if err := ctx.Err(); look && err != nil {
+		// The effect's context ran out before its first statement (its
+		// own work took the time): nothing is sent, and the error is the
+		// effect's, as pgx would return it, not a claim that waited. On a
+		// new connection the prepare below would fail on it first, and it
+		// read as a claim timeout.
+		return nil, false, effectError{fmt.Errorf("dedupactivity: the effect's first statement: %w", err)}
+	}
 	for try := 1; ; try++ {
 		sent := false
 		t = newTrip(tx.conn)

@@ -279,6 +279,47 @@ func TestFirstStatementDeadlineIsTheEffects(t *testing.T) {
 	}
 }
 
+// TestFirstStatementWithAnExpiredContext: an effect whose context ran out
+// before its first statement (slow work of its own first) gets the
+// context's error from that statement, as from pgx, and the attempt is
+// OutcomeEffectError, whether the claim's statements are prepared on the
+// connection yet or not. It is no claim timeout: nothing was sent, and no
+// other attempt held the event. A later delivery applies the effect.
+func TestFirstStatementWithAnExpiredContext(t *testing.T) {
+	t.Parallel()
+	for name, warm := range map[string]bool{"NewConnection": false, "Prepared": true} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, dedupactivity.Options{})
+			ctx := context.Background()
+			d, _, _ := countingDeduper(t, b, nil) // one connection
+			in := Transfer{Account: "a", Amount: 1}
+			if warm {
+				_, _, err := dedupactivity.Do(ctx, d, runScoped("warm"), in, b.post)
+				require.NoError(t, err)
+			}
+			short, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
+			defer cancel()
+			_, outcome, err := dedupactivity.Do(short, d, runScoped("x"), in, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+				<-ctx.Done() // slow work of the effect's own, before any statement
+				return b.post(ctx, tx, in)
+			})
+			require.ErrorIs(t, err, context.DeadlineExceeded)
+			require.NotErrorIs(t, err, dedupactivity.ErrClaimTimeout)
+			require.Equal(t, dedupactivity.OutcomeEffectError, outcome, "%v", err)
+
+			_, outcome, err = dedupactivity.Do(ctx, d, runScoped("x"), in, b.post)
+			require.NoError(t, err)
+			require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
+			want := int64(1)
+			if warm {
+				want = 2
+			}
+			require.Equal(t, want, b.ledgerRows(t))
+		})
+	}
+}
+
 // TestConcurrentRidingDeliveries: first attempts of one run-scoped event
 // delivered at once all look, find nothing and run the effect; the first
 // marker inserted with COMMIT wins, the others fail on its key (an ERROR in
