@@ -78,6 +78,7 @@ func ClaimTx[Out any](ctx context.Context, d *Deduper, tx pgx.Tx, id Identity, i
 		d.tel.end(ctx, rec, err)
 	}()
 	if err = fingerprintInput(m, id, in); err != nil {
+		rec.noClaim = true // failed before its claim: no claim duration
 		return nil, err
 	}
 	start := time.Now()

@@ -844,3 +844,26 @@ func TestSDKMetricsOfAttemptsThatFailBeforeTheClaim(t *testing.T) {
 	require.Zero(t, timers["dedup_claim_duration"], "nothing was claimed")
 	require.Zero(t, timers["dedup_effect_duration"])
 }
+
+// TestInputThatCannotBeFingerprintedRecordsNoClaimDuration: a business-keyed
+// input the default converter cannot encode fails before its claim, so, as
+// every attempt that fails before it, it counts as error and records no
+// claim duration (a 0s observation would pull the claim wait's quantiles
+// down for a claim that never ran).
+func TestInputThatCannotBeFingerprintedRecordsNoClaimDuration(t *testing.T) {
+	t.Parallel()
+	b := setupTelemetry(t, dedupactivity.Options{})
+	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, Namespace: "ns", ActivityType: "Post", Key: "k"}
+	_, _, err := dedupactivity.Do(context.Background(), b.d, id, make(chan int), func(context.Context, pgx.Tx, chan int) (Posting, error) {
+		return Posting{}, nil
+	})
+	require.ErrorIs(t, err, dedupactivity.ErrEncoding)
+	require.Equal(t, int64(1), outsideAttempts(t, b.reader)["error/"+dedupactivity.ErrTypeEncoding])
+	var rm metricdata.ResourceMetrics
+	require.NoError(t, b.reader.Collect(context.Background(), &rm))
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			require.NotEqual(t, dedupactivity.MetricClaimDuration, m.Name, "nothing was claimed")
+		}
+	}
+}

@@ -259,6 +259,7 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 	}()
 
 	if err = fingerprintInput(m, id, in); err != nil {
+		rec.noClaim = true // failed before its claim: no claim duration
 		return out, a, err
 	}
 
