@@ -166,12 +166,20 @@ func (d *Deduper) functions() []string {
 // CREATE SCHEMA IF NOT EXISTS can miss the other's commit and fail with a
 // unique_violation on pg_namespace. Here the same schema created at once
 // elsewhere (unique_violation, or duplicate_schema) has committed, which is
-// all this asks, and the transaction begins after it.
+// all this asks, and the transaction begins after it. A schema that exists
+// is not created again: CREATE SCHEMA IF NOT EXISTS checks the database's
+// CREATE privilege before it looks, which a role that may create tables in
+// the schema (one a DBA made) need not have.
 func (d *Deduper) createSchema(ctx context.Context) error {
 	if d.opts.Schema == "" {
 		return nil
 	}
-	_, err := d.pool.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS `+pgx.Identifier{d.opts.Schema}.Sanitize())
+	schema := pgx.Identifier{d.opts.Schema}.Sanitize()
+	var exists bool
+	if err := d.pool.QueryRow(ctx, schemaExistsSQL, schema).Scan(&exists); err != nil || exists {
+		return err
+	}
+	_, err := d.pool.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS `+schema)
 	if s := sqlState(err); s == stateUniqueViolation || s == stateDuplicateSchema {
 		return nil
 	}

@@ -150,3 +150,49 @@ func TestLeastPrivilegeOldestMarkerGaugePartitioned(t *testing.T) {
 	require.Len(t, got, 1, "observed")
 	require.InDelta(t, time.Since(lo.Add(iv+opts.Retention)).Seconds(), got[0], 5, "a past partition's end plus Retention, from the catalog")
 }
+
+// TestMigrateInASchemaADBAMade: a role that may create tables in an existing
+// schema (USAGE and CREATE on it, as a DBA grants it) and not schemas (no
+// CREATE on the database) migrates with Options.Schema naming it: Migrate
+// does not ask for the schema it finds there. Before, its CREATE SCHEMA IF
+// NOT EXISTS failed with "permission denied for database" (42501), which
+// PostgreSQL checks before it looks for the schema.
+func TestMigrateInASchemaADBAMade(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	ctx := context.Background()
+	schema := b.schema.Name + "_app"
+	role := "so_" + b.schema.Name
+	_, err := b.pool.Exec(ctx, fmt.Sprintf(`
+CREATE SCHEMA %[1]s;
+CREATE ROLE %[2]s LOGIN PASSWORD 'pw';
+GRANT USAGE, CREATE ON SCHEMA %[1]s TO %[2]s;`, pgx.Identifier{schema}.Sanitize(), pgx.Identifier{role}.Sanitize()))
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_, _ = b.pool.Exec(context.Background(), fmt.Sprintf(`DROP SCHEMA %[1]s CASCADE; DROP OWNED BY %[2]s; DROP ROLE %[2]s`, pgx.Identifier{schema}.Sanitize(), pgx.Identifier{role}.Sanitize()))
+	})
+	cfg, err := pgxpool.ParseConfig(b.schema.URL)
+	require.NoError(t, err)
+	cfg.ConnConfig.User, cfg.ConnConfig.Password = role, "pw"
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	var mayCreateSchemas bool
+	require.NoError(t, pool.QueryRow(ctx, `SELECT has_database_privilege(current_database(), 'CREATE')`).Scan(&mayCreateSchemas))
+	require.False(t, mayCreateSchemas)
+
+	for _, opts := range []dedupactivity.Options{
+		{Schema: schema},
+		{Schema: schema, Table: "dedup_marker_p", PartitionInterval: time.Hour, Retention: time.Hour},
+	} {
+		d, err := dedupactivity.New(pool, opts)
+		require.NoError(t, err)
+		require.NoError(t, d.Migrate(ctx), "table %s", opts.Table)
+	}
+	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "k"}
+	d, err := dedupactivity.New(pool, dedupactivity.Options{Schema: schema})
+	require.NoError(t, err)
+	_, outcome, err := dedupactivity.Do(ctx, d, id, 1, func(context.Context, pgx.Tx, int) (int, error) { return 1, nil })
+	require.NoError(t, err)
+	require.Equal(t, dedupactivity.OutcomeClaimed, outcome)
+}

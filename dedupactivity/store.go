@@ -257,6 +257,8 @@ const (
 	// nothing.
 	currentXactSQL        = `SELECT pg_current_xact_id_if_assigned()::text`
 	setLocalSearchPathSQL = `SELECT set_config('search_path', $1, true)`
+	// schemaExistsSQL says whether the schema $1 (a quoted name) exists.
+	schemaExistsSQL = `SELECT to_regnamespace($1) IS NOT NULL`
 )
 
 func createVersionTableSQL(table string) string {

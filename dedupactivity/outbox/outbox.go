@@ -538,12 +538,20 @@ func (ob *Outbox) upToDate(ctx context.Context, want []int) bool {
 // inside, it can fail with a unique_violation when another process, outbox
 // or Deduper, created it while this one waited for the lock. The same
 // schema created at once elsewhere (unique_violation, or duplicate_schema)
-// has committed, which is all this asks.
+// has committed, which is all this asks. A schema that exists is not
+// created again: CREATE SCHEMA IF NOT EXISTS checks the database's CREATE
+// privilege before it looks, which a role that may create tables in the
+// schema (one a DBA made) need not have.
 func (ob *Outbox) createSchema(ctx context.Context) error {
 	if ob.opts.Schema == "" {
 		return nil
 	}
-	_, err := ob.pool.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS `+pgx.Identifier{ob.opts.Schema}.Sanitize())
+	schema := pgx.Identifier{ob.opts.Schema}.Sanitize()
+	var exists bool
+	if err := ob.pool.QueryRow(ctx, `SELECT to_regnamespace($1) IS NOT NULL`, schema).Scan(&exists); err != nil || exists {
+		return err
+	}
+	_, err := ob.pool.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS `+schema)
 	var pgErr interface{ SQLState() string }
 	if errors.As(err, &pgErr) && (pgErr.SQLState() == "23505" || pgErr.SQLState() == "42P06") {
 		return nil

@@ -577,6 +577,40 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON %[1]s.dedup_outbox TO %[2]s;`, s, role))
 	require.NoError(t, b.ob.Migrate(ctx), "the owner applies it again (idempotent)")
 }
 
+// TestMigrateInASchemaADBAMade: a role that may create tables in an existing
+// schema (USAGE and CREATE on it) and not schemas (no CREATE on the
+// database) migrates with Options.Schema naming it. Before, its CREATE
+// SCHEMA IF NOT EXISTS failed with "permission denied for database"
+// (42501), which PostgreSQL checks before it looks for the schema.
+func TestMigrateInASchemaADBAMade(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	schema := pgx.Identifier{b.schema.Name + "_app"}.Sanitize()
+	role := "os_" + b.schema.Name
+	_, err := b.schema.Pool.Exec(ctx, fmt.Sprintf(`
+CREATE SCHEMA %[1]s;
+CREATE ROLE %[2]s LOGIN PASSWORD 'pw';
+GRANT USAGE, CREATE ON SCHEMA %[1]s TO %[2]s;`, schema, pgx.Identifier{role}.Sanitize()))
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_, _ = b.schema.Pool.Exec(context.Background(), fmt.Sprintf(`DROP SCHEMA %[1]s CASCADE; DROP OWNED BY %[2]s; DROP ROLE %[2]s`, schema, pgx.Identifier{role}.Sanitize()))
+	})
+	cfg, err := pgxpool.ParseConfig(b.schema.URL)
+	require.NoError(t, err)
+	cfg.ConnConfig.User, cfg.ConnConfig.Password = role, "pw"
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+
+	ob, err := outbox.New(pool, outbox.Options{Schema: b.schema.Name + "_app"})
+	require.NoError(t, err)
+	require.NoError(t, ob.Migrate(ctx))
+	var there bool
+	require.NoError(t, pool.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, schema+".dedup_outbox").Scan(&there))
+	require.True(t, there)
+}
+
 // TestMigrateMakesADroppedTableAgain: an outbox table dropped by hand,
 // its version record left behind, is made again by Migrate, not taken for
 // migrated (every Enqueue would fail).
