@@ -2,7 +2,6 @@ package dedupactivity_test
 
 import (
 	"context"
-	"fmt"
 	"testing"
 	"time"
 
@@ -85,25 +84,9 @@ GRANT USAGE ON SEQUENCE %[1]s.ledger_id_seq TO %[2]s;`)
 // role); the role is dropped after the test.
 func leastPrivilegePool(t *testing.T, b *testBundle, prefix, more string) *pgxpool.Pool {
 	t.Helper()
-	ctx := context.Background()
-	role := prefix + b.schema.Name
-	s := pgx.Identifier{b.schema.Name}.Sanitize()
-	r := pgx.Identifier{role}.Sanitize()
-	_, err := b.pool.Exec(ctx, fmt.Sprintf(`
-CREATE ROLE %[2]s LOGIN PASSWORD 'pw';
+	return b.schema.RolePool(t, prefix+b.schema.Name, `
 GRANT USAGE ON SCHEMA %[1]s TO %[2]s;
-GRANT SELECT, INSERT, DELETE, UPDATE (result) ON %[1]s.dedup_marker TO %[2]s;`+more, s, r))
-	require.NoError(t, err)
-	t.Cleanup(func() {
-		_, _ = b.pool.Exec(context.Background(), fmt.Sprintf(`DROP OWNED BY %[1]s; DROP ROLE %[1]s`, r))
-	})
-	cfg, err := pgxpool.ParseConfig(b.schema.URL)
-	require.NoError(t, err)
-	cfg.ConnConfig.User, cfg.ConnConfig.Password = role, "pw"
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
-	return pool
+GRANT SELECT, INSERT, DELETE, UPDATE (result) ON %[1]s.dedup_marker TO %[2]s;`+more)
 }
 
 // TestRefusedConnection: a database that refuses the connection gives a
@@ -162,21 +145,12 @@ func TestMigrateInASchemaADBAMade(t *testing.T) {
 	b := setup(t, dedupactivity.Options{})
 	ctx := context.Background()
 	schema := b.schema.Name + "_app"
-	role := "so_" + b.schema.Name
-	_, err := b.pool.Exec(ctx, fmt.Sprintf(`
-CREATE SCHEMA %[1]s;
-CREATE ROLE %[2]s LOGIN PASSWORD 'pw';
-GRANT USAGE, CREATE ON SCHEMA %[1]s TO %[2]s;`, pgx.Identifier{schema}.Sanitize(), pgx.Identifier{role}.Sanitize()))
+	_, err := b.pool.Exec(ctx, `CREATE SCHEMA `+pgx.Identifier{schema}.Sanitize())
 	require.NoError(t, err)
 	t.Cleanup(func() {
-		_, _ = b.pool.Exec(context.Background(), fmt.Sprintf(`DROP SCHEMA %[1]s CASCADE; DROP OWNED BY %[2]s; DROP ROLE %[2]s`, pgx.Identifier{schema}.Sanitize(), pgx.Identifier{role}.Sanitize()))
+		_, _ = b.pool.Exec(context.Background(), `DROP SCHEMA `+pgx.Identifier{schema}.Sanitize()+` CASCADE`)
 	})
-	cfg, err := pgxpool.ParseConfig(b.schema.URL)
-	require.NoError(t, err)
-	cfg.ConnConfig.User, cfg.ConnConfig.Password = role, "pw"
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
+	pool := b.schema.RolePool(t, "so_"+b.schema.Name, `GRANT USAGE, CREATE ON SCHEMA `+pgx.Identifier{schema}.Sanitize()+` TO %[2]s;`)
 	var mayCreateSchemas bool
 	require.NoError(t, pool.QueryRow(ctx, `SELECT has_database_privilege(current_database(), 'CREATE')`).Scan(&mayCreateSchemas))
 	require.False(t, mayCreateSchemas)

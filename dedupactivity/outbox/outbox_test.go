@@ -17,7 +17,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	"go.temporal.io/sdk/activity"
 	"go.temporal.io/sdk/temporal"
@@ -542,30 +541,17 @@ func TestMigrateAsLeastPrivilegeRole(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	ctx := context.Background()
-	s := pgx.Identifier{b.schema.Name}.Sanitize()
-	role := pgx.Identifier{"ob_" + b.schema.Name}.Sanitize()
-	_, err := b.schema.Pool.Exec(ctx, fmt.Sprintf(`
-CREATE ROLE %[2]s LOGIN PASSWORD 'pw';
+	pool := b.schema.RolePool(t, "ob_"+b.schema.Name, `
 GRANT USAGE ON SCHEMA %[1]s TO %[2]s;
 GRANT SELECT ON %[1]s.dedup_outbox_migration TO %[2]s;
-GRANT SELECT, INSERT, UPDATE, DELETE ON %[1]s.dedup_outbox TO %[2]s;`, s, role))
-	require.NoError(t, err)
-	t.Cleanup(func() {
-		_, _ = b.schema.Pool.Exec(context.Background(), fmt.Sprintf(`DROP OWNED BY %[1]s; DROP ROLE %[1]s`, role))
-	})
-	cfg, err := pgxpool.ParseConfig(b.schema.URL)
-	require.NoError(t, err)
-	cfg.ConnConfig.User, cfg.ConnConfig.Password = "ob_"+b.schema.Name, "pw"
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
+GRANT SELECT, INSERT, UPDATE, DELETE ON %[1]s.dedup_outbox TO %[2]s;`)
 
 	for _, opts := range []outbox.Options{{}, {Schema: b.schema.Name}} {
 		ob, err := outbox.New(pool, opts)
 		require.NoError(t, err)
 		require.NoError(t, ob.Migrate(ctx), "an up-to-date outbox needs no CREATE (Schema %q)", opts.Schema)
 	}
-	_, err = pool.Exec(ctx, `CREATE TABLE nope (id int)`)
+	_, err := pool.Exec(ctx, `CREATE TABLE nope (id int)`)
 	require.Error(t, err, "the role cannot create tables")
 
 	// A version missing from the record: Migrate needs the owner again.
@@ -587,21 +573,12 @@ func TestMigrateInASchemaADBAMade(t *testing.T) {
 	b := setup(t)
 	ctx := context.Background()
 	schema := pgx.Identifier{b.schema.Name + "_app"}.Sanitize()
-	role := "os_" + b.schema.Name
-	_, err := b.schema.Pool.Exec(ctx, fmt.Sprintf(`
-CREATE SCHEMA %[1]s;
-CREATE ROLE %[2]s LOGIN PASSWORD 'pw';
-GRANT USAGE, CREATE ON SCHEMA %[1]s TO %[2]s;`, schema, pgx.Identifier{role}.Sanitize()))
+	_, err := b.schema.Pool.Exec(ctx, `CREATE SCHEMA `+schema)
 	require.NoError(t, err)
 	t.Cleanup(func() {
-		_, _ = b.schema.Pool.Exec(context.Background(), fmt.Sprintf(`DROP SCHEMA %[1]s CASCADE; DROP OWNED BY %[2]s; DROP ROLE %[2]s`, schema, pgx.Identifier{role}.Sanitize()))
+		_, _ = b.schema.Pool.Exec(context.Background(), `DROP SCHEMA `+schema+` CASCADE`)
 	})
-	cfg, err := pgxpool.ParseConfig(b.schema.URL)
-	require.NoError(t, err)
-	cfg.ConnConfig.User, cfg.ConnConfig.Password = role, "pw"
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
+	pool := b.schema.RolePool(t, "os_"+b.schema.Name, `GRANT USAGE, CREATE ON SCHEMA `+schema+` TO %[2]s;`)
 
 	ob, err := outbox.New(pool, outbox.Options{Schema: b.schema.Name + "_app"})
 	require.NoError(t, err)

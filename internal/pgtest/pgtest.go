@@ -435,3 +435,31 @@ func randomHex(n int) string {
 	_, _ = rand.Read(b)
 	return hex.EncodeToString(b)
 }
+
+// RolePool creates the login role role, runs grants (SQL in which %[1]s is
+// the schema's quoted name and %[2]s the role's), and returns a pool that
+// connects as that role with search_path set to the schema. The role and
+// what it owns are dropped when the test ends.
+func (s *Schema) RolePool(tb testing.TB, role, grants string) *pgxpool.Pool {
+	tb.Helper()
+	ctx := context.Background()
+	r := pgx.Identifier{role}.Sanitize()
+	sql := fmt.Sprintf(`CREATE ROLE %[2]s LOGIN PASSWORD 'pw';`+"\n"+grants, pgx.Identifier{s.Name}.Sanitize(), r)
+	if _, err := s.Pool.Exec(ctx, sql); err != nil {
+		tb.Fatalf("pgtest: create role %s: %v", role, err)
+	}
+	tb.Cleanup(func() {
+		_, _ = s.Pool.Exec(context.Background(), fmt.Sprintf(`DROP OWNED BY %[1]s; DROP ROLE %[1]s`, r))
+	})
+	cfg, err := pgxpool.ParseConfig(s.URL)
+	if err != nil {
+		tb.Fatalf("pgtest: parse url: %v", err)
+	}
+	cfg.ConnConfig.User, cfg.ConnConfig.Password = role, "pw"
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		tb.Fatalf("pgtest: pool of role %s: %v", role, err)
+	}
+	tb.Cleanup(pool.Close)
+	return pool
+}
