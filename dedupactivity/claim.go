@@ -511,17 +511,16 @@ func (d *Deduper) endedByEffect(ctx context.Context, conn *pgx.Conn, m *marker) 
 // (which replaces the one release would send), tells the two apart.
 func (d *Deduper) failedUnreported(ctx context.Context, tx *claimTx) error {
 	const failed = "dedupactivity: a statement of the effect failed but the effect returned no error"
-	if tx.state != stateClaimed {
-		// Only the look was sent: no call that could end the transaction
-		// has run (see ready).
-		return errors.New(failed + "; all was rolled back")
-	}
-	st, found, err := d.rollBackAndRead(ctx, tx.conn, tx.m)
-	switch {
-	case err != nil:
-		return fmt.Errorf("%s; reading the marker to tell whether an earlier COMMIT of the effect committed it failed: %w", failed, err)
-	case found && tx.m.insertedBy(st.xmin):
-		return errCommittedByEffect()
+	// Before the marker's key went in only the look was sent, and no call
+	// that could end the transaction has run (see ready).
+	if tx.state == stateClaimed {
+		st, found, err := d.rollBackAndRead(ctx, tx.conn, tx.m)
+		if err != nil {
+			return fmt.Errorf("%s; reading the marker to tell whether an earlier COMMIT of the effect committed it failed: %w", failed, err)
+		}
+		if found && tx.m.insertedBy(st.xmin) {
+			return errCommittedByEffect()
+		}
 	}
 	return errors.New(failed + "; all was rolled back")
 }
