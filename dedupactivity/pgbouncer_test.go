@@ -16,8 +16,9 @@ package dedupactivity_test
 //     fail with SQLSTATE 26000 (prepared statement does not exist) or 42P05
 //     (already exists). Nothing is applied twice, since every failure rolls
 //     the claim back, but the attempts fail. Set default_query_exec_mode=exec
-//     (or cache_describe, describe_exec, simple_protocol) in the connection
-//     string, or ConnConfig.DefaultQueryExecMode.
+//     (or cache_describe, simple_protocol) in the connection string, or
+//     ConnConfig.DefaultQueryExecMode. describe_exec works for claims but not
+//     for calls outside a transaction (docs/pgbouncer.md).
 
 import (
 	"context"
@@ -36,8 +37,10 @@ import (
 	"github.com/dedupactivity/dedupactivity/internal/pgtest"
 )
 
-// bouncerModes are the exec modes that work behind PgBouncer 1.18 in
-// transaction mode, by their default_query_exec_mode connection-string value.
+// bouncerModes are the exec modes in which claims work behind PgBouncer
+// 1.18 in transaction mode, by their default_query_exec_mode
+// connection-string value. describe_exec fails outside a transaction (see
+// docs/pgbouncer.md), so the docs do not recommend it.
 var bouncerModes = map[string]pgx.QueryExecMode{
 	"exec":            pgx.QueryExecModeExec,
 	"simple_protocol": pgx.QueryExecModeSimpleProtocol,
