@@ -174,9 +174,10 @@ func (c *Claim[Out]) Stored() Out { return c.stored }
 
 // Complete records the effect's result in the marker, in the claim's
 // transaction; commit the transaction after it. It fails with ErrNotClaimed
-// on a duplicate or after a Complete that succeeded, and with ErrTxEnded
-// when the claim's transaction is no longer the one running on tx. One
-// that failed may be called again (it fails again once the transaction is
+// on a duplicate or after a Complete that succeeded, with pgx.ErrTxClosed
+// after tx was committed or rolled back, and with ErrTxEnded when SQL sent
+// on tx ended the claim's transaction (another now runs there). One that
+// failed may be called again (it fails again once the transaction is
 // aborted).
 func (c *Claim[Out]) Complete(ctx context.Context, result Out) error {
 	if c.outcome != OutcomeClaimed || c.done {

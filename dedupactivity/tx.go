@@ -357,9 +357,12 @@ func (t *claimTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
 	return t.conn.QueryRow(ctx, sql, args...)
 }
 
-// Conn returns the claim's connection, or nil once the attempt has ended
-// (or when the claim found the event applied, or failed). Statements sent
-// on it directly bypass the checks of this Tx.
+// Conn returns the claim's connection, or nil once the attempt has ended,
+// when the claim found the event applied or failed, and while the effect's
+// Rows are open (the connection is busy then, as pgx says of any call).
+// After a first statement that rode with the claim, Conn claims the event's
+// key first, as any later statement would. Statements sent on it directly
+// bypass the checks of this Tx.
 func (t *claimTx) Conn() *pgx.Conn {
 	if err := t.ready(t.ctx, nil); err != nil {
 		return nil
@@ -461,20 +464,35 @@ func (r txRows) Conn() *pgx.Conn { return r.tx.Conn() }
 
 // savepoint is a savepoint inside the claim transaction. Its Commit releases
 // it and its Rollback rolls back to it, as pgx's nested transactions do; it
-// is closed with the claim.
+// is closed with the claim and with its parent, which PostgreSQL destroys
+// it with.
 type savepoint struct {
 	root   *claimTx
+	parent *savepoint // nil for one the claim's Tx began
 	name   string
 	closed bool
 }
 
-func (s *savepoint) live() bool { return !s.closed && !s.root.closed.Load() }
+func (s *savepoint) live() bool {
+	for sp := s; sp != nil; sp = sp.parent {
+		if sp.closed {
+			return false
+		}
+	}
+	return !s.root.closed.Load()
+}
 
 func (s *savepoint) Begin(ctx context.Context) (pgx.Tx, error) {
 	if !s.live() {
 		return nil, pgx.ErrTxClosed
 	}
-	return s.root.Begin(ctx)
+	tx, err := s.root.Begin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	sp := tx.(*savepoint)
+	sp.parent = s
+	return sp, nil
 }
 
 func (s *savepoint) Commit(ctx context.Context) error { return s.end(ctx, "RELEASE SAVEPOINT ") }
@@ -504,7 +522,17 @@ func (s *savepoint) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResult
 	return s.root.SendBatch(ctx, b)
 }
 
-func (s *savepoint) LargeObjects() pgx.LargeObjects { return s.root.LargeObjects() }
+// LargeObjects of a savepoint released or rolled back are pgx's zero
+// LargeObjects, whose calls panic, as the claim's own once it cannot give
+// them (see claimTx.LargeObjects): the claim's would write outside the
+// savepoint.
+func (s *savepoint) LargeObjects() pgx.LargeObjects {
+	if !s.live() {
+		s.root.refused(fmt.Errorf("dedupactivity: Tx.LargeObjects: savepoint %w", pgx.ErrTxClosed))
+		return pgx.LargeObjects{}
+	}
+	return s.root.LargeObjects()
+}
 
 func (s *savepoint) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
 	if !s.live() {

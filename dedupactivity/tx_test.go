@@ -396,6 +396,54 @@ func TestSavepointsWork(t *testing.T) {
 	require.Equal(t, int64(1), b.markers(t))
 }
 
+// TestSavepointEndsWithItsParent: a savepoint inside one the effect
+// released or rolled back is gone too (PostgreSQL destroys it with its
+// parent), so its calls return pgx.ErrTxClosed, as with pgx's own nested
+// Tx, instead of writing in the claim's transaction outside both.
+func TestSavepointEndsWithItsParent(t *testing.T) {
+	t.Parallel()
+	for _, end := range []string{"Commit", "Rollback"} {
+		t.Run(end, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, dedupactivity.Options{}) // deliver's event is one per bundle
+			var (
+				runs     int
+				innerErr error
+			)
+			fn := dedupactivity.Wrap(b.d, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+				runs++
+				p, err := b.post(ctx, tx, in)
+				if err != nil {
+					return p, err
+				}
+				outer, err := tx.Begin(ctx)
+				if err != nil {
+					return p, err
+				}
+				inner, err := outer.Begin(ctx)
+				if err != nil {
+					return p, err
+				}
+				if end == "Commit" {
+					err = outer.Commit(ctx)
+				} else {
+					err = outer.Rollback(ctx)
+				}
+				if err != nil {
+					return p, err
+				}
+				_, innerErr = b.post(ctx, inner, Transfer{Account: "b", Amount: 100})
+				return p, nil
+			})
+			_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
+			require.NoError(t, err)
+			require.Equal(t, 1, runs)
+			require.ErrorIs(t, innerErr, pgx.ErrTxClosed)
+			require.Zero(t, b.count(t, `SELECT count(*) FROM ledger WHERE account = 'b'`), "the write on the ended savepoint")
+		})
+	}
+}
+
 // TestTxKeptByAGoroutine: a goroutine the effect started that uses the Tx
 // after the attempt ended gets pgx.ErrTxClosed, without a data race with
 // the claim, which sends its round trip after the Tx closed when the effect

@@ -629,6 +629,44 @@ func TestLargeObjectsRefused(t *testing.T) {
 	})
 }
 
+// TestLargeObjectsOfAnEndedSavepoint: large objects asked for on a
+// savepoint the effect released (or rolled back) are refused, as every
+// other call on it is (pgx.ErrTxClosed), instead of writing in the claim's
+// transaction outside the savepoint: their first call ends the effect, the
+// attempt fails with the refusal, and nothing commits.
+func TestLargeObjectsOfAnEndedSavepoint(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	ctx := context.Background()
+	for name, id := range bothPaths("lo-savepoint") {
+		t.Run(name, func(t *testing.T) {
+			returned := false
+			_, outcome, err := dedupactivity.Do(ctx, b.d, id, Transfer{}, func(ctx context.Context, tx pgx.Tx, in Transfer) (int, error) {
+				if _, err := tx.Exec(ctx, `INSERT INTO ledger (account, amount) VALUES ($1, $2)`, "a", 1); err != nil {
+					return 0, err
+				}
+				sp, err := tx.Begin(ctx)
+				if err != nil {
+					return 0, err
+				}
+				if err := sp.Commit(ctx); err != nil {
+					return 0, err
+				}
+				lo := sp.LargeObjects()
+				_, err = lo.Create(ctx, 0)
+				returned = true
+				return 0, err
+			})
+			require.False(t, returned, "the large-object call ended the effect")
+			require.ErrorIs(t, err, pgx.ErrTxClosed)
+			require.ErrorContains(t, err, "LargeObjects")
+			require.Equal(t, dedupactivity.OutcomeError, outcome)
+			require.Zero(t, b.ledgerRows(t))
+			require.Zero(t, b.markers(t))
+		})
+	}
+}
+
 // TestClaimWaitWithGenericPlans: the claim's wait for a concurrent attempt
 // stays bounded when its prepared statements run generic plans (after five
 // executions PostgreSQL may switch to them; plan_cache_mode forces them
