@@ -131,6 +131,14 @@ func checkDashboard(t *testing.T, p *obstest.Prometheus) {
 	raw, err := os.ReadFile("../../deploy/grafana/dashboards/dedupactivity.json")
 	require.NoError(t, err)
 	var dash struct {
+		Templating struct {
+			List []struct {
+				Name  string `json:"name"`
+				Query struct {
+					Query string `json:"query"`
+				} `json:"query"`
+			} `json:"list"`
+		} `json:"templating"`
 		Panels []struct {
 			Title   string `json:"title"`
 			Targets []struct {
@@ -160,7 +168,24 @@ func checkDashboard(t *testing.T, p *obstest.Prometheus) {
 		}
 	}
 	require.GreaterOrEqual(t, exprs, 15)
+
+	// Each variable's label_values(selector, label) reads a metric the
+	// worker emits, with that label, for every table, queue or namespace.
+	require.Len(t, dash.Templating.List, 3)
+	for _, v := range dash.Templating.List {
+		m := labelValues.FindStringSubmatch(v.Query.Query)
+		require.NotNil(t, m, "variable %s: %s is not label_values(selector, label)", v.Name, v.Query.Query)
+		sel, label := m[1], m[2]
+		checkExpr(t, e, "variable "+v.Name, sel)
+		require.True(t, e[dedupName.FindString(sel)][label] != nil, "variable %s: %s has no label %s", v.Name, sel, label)
+		samples, err := p.Query(ctx, "count by ("+label+") ("+vars.Replace(sel)+")")
+		require.NoError(t, err, "variable %s", v.Name)
+		require.NotEmpty(t, samples, "variable %s has no values: %s", v.Name, v.Query.Query)
+	}
 }
+
+// labelValues is a Grafana variable's query of label values.
+var labelValues = regexp.MustCompile(`^label_values\((.+),\s*([a-zA-Z_][a-zA-Z0-9_]*)\)$`)
 
 // alertRules is the alert rules file the compose stack's Prometheus loads.
 const alertRules = "../../deploy/prometheus/alerts.yml"
