@@ -472,8 +472,10 @@ func (ob *Outbox) Migrate(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("outbox: migrate: read versions: %w", err)
 	}
+	// In current_schema() (Options.Schema, set above), where the files make
+	// it: not one of that name further down search_path.
 	var tableThere bool
-	if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, pgx.Identifier{ob.opts.Table}.Sanitize()).Scan(&tableThere); err != nil {
+	if err := tx.QueryRow(ctx, `SELECT to_regclass(format('%I.%I', current_schema(), $1::text)) IS NOT NULL`, ob.opts.Table).Scan(&tableThere); err != nil {
 		return fmt.Errorf("outbox: migrate: look for the table: %w", err)
 	}
 	applied := map[int]bool{}
@@ -518,13 +520,17 @@ func (ob *Outbox) Migrate(ctx context.Context) error {
 // no SELECT on it) is a no: the full migration then runs, and says what
 // failed.
 func (ob *Outbox) upToDate(ctx context.Context, want []int) bool {
-	name, table := pgx.Identifier{ob.opts.Table + "_migration"}, pgx.Identifier{ob.opts.Table}
+	name := pgx.Identifier{ob.opts.Table + "_migration"}
 	if ob.opts.Schema != "" {
-		name, table = pgx.Identifier{ob.opts.Schema, ob.opts.Table + "_migration"}, pgx.Identifier{ob.opts.Schema, ob.opts.Table}
+		name = pgx.Identifier{ob.opts.Schema, ob.opts.Table + "_migration"}
 	}
-	// Both tables: one dropped by hand, its record left, is made again.
+	// Both tables, in Options.Schema or else current_schema(), where the
+	// files make them (not ones of those names further down search_path,
+	// another application's): one dropped by hand, its record left, is
+	// made again. No current_schema() (NULL) is an error, hence a no.
 	var there bool
-	if err := ob.pool.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL`, name.Sanitize(), table.Sanitize()).Scan(&there); err != nil || !there {
+	if err := ob.pool.QueryRow(ctx, `SELECT to_regclass(format('%I.%I', s, $2::text)) IS NOT NULL AND to_regclass(format('%I.%I', s, $3::text)) IS NOT NULL
+FROM (SELECT coalesce(nullif($1::text, ''), current_schema()) AS s) AS c`, ob.opts.Schema, ob.opts.Table+"_migration", ob.opts.Table).Scan(&there); err != nil || !there {
 		return false
 	}
 	var n int

@@ -17,6 +17,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	"go.temporal.io/sdk/activity"
 	"go.temporal.io/sdk/temporal"
@@ -601,6 +602,41 @@ func TestMigrateMakesADroppedTableAgain(t *testing.T) {
 	_, _, err = b.place(t, "o1", []string{"receipt"}, nil)
 	require.NoError(t, err)
 	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox`))
+}
+
+// TestMigrateBesideAnOutboxLaterInSearchPath: without Options.Schema, an
+// outbox table (migrated, its version table there too) further down
+// search_path is not taken for this one: Migrate makes the outbox in
+// current_schema(), where Enqueue and the relay find it first, both when
+// nothing is there yet and when the table there was dropped by hand with
+// its version record left.
+func TestMigrateBesideAnOutboxLaterInSearchPath(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	first, later := pgtest.NewSchema(t), pgtest.NewSchema(t)
+	theirs, err := outbox.New(later.Pool, outbox.Options{Schema: later.Name})
+	require.NoError(t, err)
+	require.NoError(t, theirs.Migrate(ctx))
+	url, err := pgtest.WithSearchPath(pgtest.RequireServer(t).URL, first.Name+","+later.Name)
+	require.NoError(t, err)
+	pool, err := pgxpool.New(ctx, url)
+	require.NoError(t, err)
+	defer pool.Close()
+	ob, err := outbox.New(pool, outbox.Options{})
+	require.NoError(t, err)
+	inFirst := func() bool {
+		var there bool
+		require.NoError(t, first.Pool.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, pgx.Identifier{first.Name, "dedup_outbox"}.Sanitize()).Scan(&there))
+		return there
+	}
+
+	require.NoError(t, ob.Migrate(ctx))
+	require.True(t, inFirst(), "the outbox made in current_schema()")
+
+	_, err = first.Pool.Exec(ctx, `DROP TABLE dedup_outbox`)
+	require.NoError(t, err)
+	require.NoError(t, ob.Migrate(ctx))
+	require.True(t, inFirst(), "the outbox dropped by hand made again in current_schema()")
 }
 
 // TestEnqueueRefusesALongName pins the 100-byte bound of Message.Name
