@@ -38,3 +38,6 @@ func ReconcileActivity(rc *Reconciler) func(context.Context) (ReconcileReport, e
 func PruneUntil(ctx context.Context, ob *Outbox, stopBy time.Time) (int64, bool, error) {
 	return ob.prune(ctx, nil, stopBy)
 }
+
+// OutboxColumns are the columns Migrate requires of an outbox table there.
+var OutboxColumns = outboxColumns

@@ -403,6 +403,12 @@ func (ob *Outbox) prune(ctx context.Context, afterBatch func(deleted int64), sto
 	}
 }
 
+// outboxColumns are the columns of the outbox table that the migration
+// makes (TestOutboxColumns keeps them in step with it).
+var outboxColumns = []string{"id", "idempotency_key", "event_key", "destination", "name", "headers", "payload", "state",
+	"attempts", "tries", "requeues", "next_attempt_at", "lease_until", "unacked_since", "last_error", "created_at",
+	"settled_at", "checked_at", "in_send", "stalls"}
+
 // migrateLockTimeout bounds Migrate's wait for a table lock (see Migrate).
 const migrateLockTimeout = 500 * time.Millisecond
 
@@ -474,9 +480,18 @@ func (ob *Outbox) Migrate(ctx context.Context) error {
 	}
 	// In current_schema() (Options.Schema, set above), where the files make
 	// it: not one of that name further down search_path.
+	// And the outbox columns it lacks, if there: a table of that name made
+	// by something else, which CREATE TABLE IF NOT EXISTS would leave as
+	// it is, and every Enqueue then fail on.
 	var tableThere bool
-	if err := tx.QueryRow(ctx, `SELECT to_regclass(format('%I.%I', current_schema(), $1::text)) IS NOT NULL`, ob.opts.Table).Scan(&tableThere); err != nil {
+	var missing []string
+	if err := tx.QueryRow(ctx, `SELECT c.oid IS NOT NULL, coalesce((SELECT array_agg(col) FROM unnest($2::text[]) AS col
+	WHERE NOT EXISTS (SELECT FROM pg_attribute WHERE attrelid = c.oid AND attname = col AND NOT attisdropped)), '{}')
+FROM (SELECT to_regclass(format('%I.%I', current_schema(), $1::text)) AS oid) AS c`, ob.opts.Table, outboxColumns).Scan(&tableThere, &missing); err != nil {
 		return fmt.Errorf("outbox: migrate: look for the table: %w", err)
+	}
+	if tableThere && len(missing) > 0 {
+		return fmt.Errorf("%w: the table %s exists without the column(s) %s of an outbox: it was not made by this package; give Options another Table (or Schema), or drop it", ErrInvalidConfig, ob.opts.Table, strings.Join(missing, ", "))
 	}
 	applied := map[int]bool{}
 	for _, v := range done {
@@ -527,10 +542,12 @@ func (ob *Outbox) upToDate(ctx context.Context, want []int) bool {
 	// Both tables, in Options.Schema or else current_schema(), where the
 	// files make them (not ones of those names further down search_path,
 	// another application's): one dropped by hand, its record left, is
-	// made again. No current_schema() (NULL) is an error, hence a no.
+	// made again, and one without an outbox's columns is refused. No
+	// current_schema() (NULL) is an error, hence a no.
 	var there bool
-	if err := ob.pool.QueryRow(ctx, `SELECT to_regclass(format('%I.%I', s, $2::text)) IS NOT NULL AND to_regclass(format('%I.%I', s, $3::text)) IS NOT NULL
-FROM (SELECT coalesce(nullif($1::text, ''), current_schema()) AS s) AS c`, ob.opts.Schema, ob.opts.Table+"_migration", ob.opts.Table).Scan(&there); err != nil || !there {
+	if err := ob.pool.QueryRow(ctx, `SELECT to_regclass(format('%I.%I', s, $2::text)) IS NOT NULL AND
+	(SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass(format('%I.%I', s, $3::text)) AND attname = ANY($4::text[]) AND NOT attisdropped) = cardinality($4::text[])
+FROM (SELECT coalesce(nullif($1::text, ''), current_schema()) AS s) AS c`, ob.opts.Schema, ob.opts.Table+"_migration", ob.opts.Table, outboxColumns).Scan(&there); err != nil || !there {
 		return false
 	}
 	var n int

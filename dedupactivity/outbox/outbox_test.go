@@ -639,6 +639,46 @@ func TestMigrateBesideAnOutboxLaterInSearchPath(t *testing.T) {
 	require.True(t, inFirst(), "the outbox dropped by hand made again in current_schema()")
 }
 
+// TestOutboxColumns: the columns Migrate requires of an outbox table it
+// finds are those its migration makes, no more and no fewer.
+func TestOutboxColumns(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	rows, err := b.schema.Pool.Query(context.Background(), `SELECT attname::text FROM pg_attribute WHERE attrelid = 'dedup_outbox'::regclass AND attnum > 0 AND NOT attisdropped`)
+	require.NoError(t, err)
+	columns, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	require.ElementsMatch(t, columns, outbox.OutboxColumns)
+}
+
+// TestMigrateRefusesAForeignTable: a table of the outbox's name that lacks
+// an outbox's columns (made by something else) is refused with
+// ErrInvalidConfig naming them, whether a version record is there or not,
+// and left as it was; CREATE TABLE IF NOT EXISTS would have kept it, and
+// every Enqueue failed on it.
+func TestMigrateRefusesAForeignTable(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	for _, recorded := range []bool{false, true} {
+		s := pgtest.NewSchema(t)
+		_, err := s.Pool.Exec(ctx, `CREATE TABLE dedup_outbox (id bigserial PRIMARY KEY, payload bytea, state text)`)
+		require.NoError(t, err)
+		if recorded {
+			_, err = s.Pool.Exec(ctx, `CREATE TABLE dedup_outbox_migration (version integer PRIMARY KEY, name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now());
+INSERT INTO dedup_outbox_migration (version, name) VALUES (1, 'create_dedup_outbox')`)
+			require.NoError(t, err)
+		}
+		ob, err := outbox.New(s.Pool, outbox.Options{})
+		require.NoError(t, err)
+		err = ob.Migrate(ctx)
+		require.ErrorIs(t, err, outbox.ErrInvalidConfig, "recorded %v", recorded)
+		require.ErrorContains(t, err, "idempotency_key", "recorded %v", recorded)
+		var n int
+		require.NoError(t, s.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_attribute WHERE attrelid = 'dedup_outbox'::regclass AND attnum > 0 AND NOT attisdropped`).Scan(&n))
+		require.Equal(t, 3, n, "the table left as it was")
+	}
+}
+
 // TestEnqueueRefusesALongName pins the 100-byte bound of Message.Name
 // ([A-Za-z0-9._-]{1,100}): a derived key is "dedup-<64 hex>:<name>:<n>",
 // and only with the bound does it stay within the 255 bytes that HTTPSender
