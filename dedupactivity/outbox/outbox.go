@@ -478,11 +478,11 @@ func (ob *Outbox) Migrate(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("outbox: migrate: read versions: %w", err)
 	}
-	// In current_schema() (Options.Schema, set above), where the files make
-	// it: not one of that name further down search_path.
-	// And the outbox columns it lacks, if there: a table of that name made
-	// by something else, which CREATE TABLE IF NOT EXISTS would leave as
-	// it is, and every Enqueue then fail on.
+	// The table in current_schema() (Options.Schema, set above), where the
+	// files make it, not one of that name further down search_path; and
+	// the outbox columns it lacks: a table of that name made by something
+	// else, which CREATE TABLE IF NOT EXISTS would leave as it is, and
+	// every Enqueue then fail on.
 	var tableThere bool
 	var missing []string
 	if err := tx.QueryRow(ctx, `SELECT c.oid IS NOT NULL, coalesce((SELECT array_agg(col) FROM unnest($2::text[]) AS col
