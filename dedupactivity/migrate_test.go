@@ -363,6 +363,10 @@ func TestRedeliveryWarning(t *testing.T) {
 		"BoundedRetriesUnboundedQueueWait": {workflow.ActivityOptions{StartToCloseTimeout: time.Minute, RetryPolicy: &temporal.RetryPolicy{MaximumAttempts: 5, MaximumInterval: time.Minute}}, true},
 		"BoundedRetriesLongQueueWait":      {workflow.ActivityOptions{ScheduleToStartTimeout: 8 * day, StartToCloseTimeout: time.Minute, RetryPolicy: &temporal.RetryPolicy{MaximumAttempts: 5, MaximumInterval: time.Minute}}, true},
 		"ZeroAttemptsUnlimited":            {workflow.ActivityOptions{StartToCloseTimeout: time.Minute, RetryPolicy: &temporal.RetryPolicy{}}, true},
+		// MaximumAttempts times an attempt's span is more than a
+		// time.Duration holds (about 292 years): it must not wrap to a
+		// negative bound, which is within any retention.
+		"BoundedRetriesOverflow": {workflow.ActivityOptions{ScheduleToStartTimeout: day, StartToCloseTimeout: day, RetryPolicy: &temporal.RetryPolicy{MaximumAttempts: 100000, MaximumInterval: time.Hour}}, true},
 	}
 	for name, c := range cases {
 		t.Run(name, func(t *testing.T) {

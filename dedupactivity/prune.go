@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"sync/atomic"
 	"time"
 
@@ -231,7 +232,12 @@ func RedeliveryWarning(activityType string, opts workflow.ActivityOptions, reten
 	if maxInterval == 0 {
 		maxInterval = 100 * max(rp.InitialInterval, time.Second)
 	}
-	bound := time.Duration(rp.MaximumAttempts) * (opts.ScheduleToStartTimeout + opts.StartToCloseTimeout + maxInterval)
+	// Saturated: the product may be more than a Duration holds, and
+	// wrapped it would look within any retention.
+	bound, perAttempt := time.Duration(math.MaxInt64), opts.ScheduleToStartTimeout+opts.StartToCloseTimeout+maxInterval
+	if perAttempt <= bound/time.Duration(rp.MaximumAttempts) {
+		bound = time.Duration(rp.MaximumAttempts) * perAttempt
+	}
 	if bound > retention {
 		return fmt.Sprintf("activity %s: %d attempts may span up to %s, beyond the marker retention %s", activityType, rp.MaximumAttempts, bound, retention)
 	}
