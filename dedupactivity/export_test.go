@@ -30,7 +30,15 @@ var MayRide = mayRide
 // PruneWithProgress runs Prune with its progress hook, called before each
 // past partition is read.
 func PruneWithProgress(ctx context.Context, d *Deduper, progress func(deleted int64)) (int64, error) {
-	return d.prune(ctx, progress)
+	n, _, err := d.prune(ctx, progress, time.Time{})
+	return n, err
+}
+
+// PruneBy runs Prune as the prune activity does, beginning nothing after
+// stopBy.
+func PruneBy(ctx context.Context, d *Deduper, stopBy time.Time) (PruneResult, error) {
+	n, outOfTime, err := d.prune(ctx, nil, stopBy)
+	return PruneResult{Deleted: n, OutOfTime: outOfTime}, err
 }
 
 // SetPruneHeartbeat makes d's prune activity heartbeat every every.

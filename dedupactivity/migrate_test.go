@@ -313,6 +313,43 @@ func TestPrunersShareAWorker(t *testing.T) {
 	require.Equal(t, int64(1), b.count(t, `SELECT count(*) FROM dedup_marker`), "the other table's run left this one")
 }
 
+// TestPruneStopsBeforeItsDeadline: the prune activity's run (PruneBy with
+// the time it stops by) begins no batch, and reads no partition, past its
+// stop, and says OutOfTime, the markers left for the next run; in time, it
+// deletes them all and does not. Counted with SQL.
+func TestPruneStopsBeforeItsDeadline(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	t.Run("Batches", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, dedupactivity.Options{Retention: time.Minute})
+		_, err := b.pool.Exec(ctx, `
+INSERT INTO dedup_marker (id_hash, activity_type, attempt, expires_at)
+SELECT sha256(int4send(g)), 'T', 1, now() - interval '1 hour' FROM generate_series(1, 2500) g`)
+		require.NoError(t, err)
+		res, err := dedupactivity.PruneBy(ctx, b.d, time.Now().Add(-time.Second))
+		require.NoError(t, err)
+		require.Equal(t, dedupactivity.PruneResult{OutOfTime: true}, res)
+		require.Equal(t, int64(2500), b.markers(t), "left for the next run")
+		res, err = dedupactivity.PruneBy(ctx, b.d, time.Now().Add(time.Hour))
+		require.NoError(t, err)
+		require.Equal(t, dedupactivity.PruneResult{Deleted: 2500}, res)
+		require.Zero(t, b.markers(t))
+	})
+	t.Run("Partitions", func(t *testing.T) {
+		t.Parallel()
+		b, _ := expiredPartition(t)
+		res, err := dedupactivity.PruneBy(ctx, b.d, time.Now().Add(-time.Second))
+		require.NoError(t, err)
+		require.Equal(t, dedupactivity.PruneResult{OutOfTime: true}, res)
+		require.Equal(t, int64(1), b.markers(t), "its partition left for the next run")
+		res, err = dedupactivity.PruneBy(ctx, b.d, time.Now().Add(time.Hour))
+		require.NoError(t, err)
+		require.Equal(t, dedupactivity.PruneResult{Deleted: 1}, res)
+		require.Zero(t, b.markers(t))
+	})
+}
+
 func TestPruneBatchesAndRetentionBound(t *testing.T) {
 	t.Parallel()
 	b := setup(t, dedupactivity.Options{Retention: time.Minute})

@@ -161,9 +161,10 @@ func (d *Deduper) partitions(ctx context.Context) ([]partition, error) {
 // the partition's range that holds the table's lock meanwhile ends the
 // transaction at its lock timeout, and the partition is left to the next
 // run. progress (if not nil) is called with the count so far before each
-// past partition is read. A partition that cannot be read or dropped does
-// not stop the others: their errors are returned together.
-func (d *Deduper) dropExpiredPartitions(ctx context.Context, progress func(deleted int64)) (int64, error) {
+// past partition is read; once late says so, no more is read. A partition
+// that cannot be read or dropped does not stop the others: their errors
+// are returned together.
+func (d *Deduper) dropExpiredPartitions(ctx context.Context, progress func(deleted int64), late func() bool) (int64, error) {
 	parts, err := d.partitions(ctx)
 	if err != nil {
 		return 0, err
@@ -176,6 +177,9 @@ func (d *Deduper) dropExpiredPartitions(ctx context.Context, progress func(delet
 		}
 		if err := ctx.Err(); err != nil {
 			return deleted, errors.Join(append(errs, err)...)
+		}
+		if late() {
+			break
 		}
 		if progress != nil {
 			progress(deleted)

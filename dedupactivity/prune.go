@@ -37,11 +37,16 @@ const pruneBatchSize = 1000
 // long) is left to the next run, unless its range starts within the next
 // PartitionInterval: that error is returned.
 func (d *Deduper) Prune(ctx context.Context) (int64, error) {
-	return d.prune(ctx, nil)
+	n, _, err := d.prune(ctx, nil, time.Time{})
+	return n, err
 }
 
-func (d *Deduper) prune(ctx context.Context, afterBatch func(deleted int64)) (int64, error) {
-	var deleted int64
+// prune is Prune, calling afterBatch (if not nil) with the running total
+// after each batch and before each past partition is read. With a stopBy,
+// it begins no batch and reads no partition after it, and says so
+// (outOfTime).
+func (d *Deduper) prune(ctx context.Context, afterBatch func(deleted int64), stopBy time.Time) (deleted int64, outOfTime bool, err error) {
+	late := func() bool { return !stopBy.IsZero() && time.Now().After(stopBy) }
 	var errs []error
 	if d.opts.PartitionInterval > 0 {
 		// The partitions ahead first, and each step whatever the others'
@@ -51,7 +56,7 @@ func (d *Deduper) prune(ctx context.Context, afterBatch func(deleted int64)) (in
 		if _, err := d.ensurePartitions(ctx); err != nil {
 			errs = append(errs, err)
 		}
-		n, err := d.dropExpiredPartitions(ctx, afterBatch)
+		n, err := d.dropExpiredPartitions(ctx, afterBatch, late)
 		if err != nil {
 			errs = append(errs, err)
 		}
@@ -59,10 +64,13 @@ func (d *Deduper) prune(ctx context.Context, afterBatch func(deleted int64)) (in
 		d.tel.markersPruned(ctx, n)
 	}
 	for {
+		if late() {
+			return deleted, true, errors.Join(errs...)
+		}
 		tag, err := d.pool.Exec(ctx, d.store.prune, pruneBatchSize)
 		if err != nil {
 			errs = append(errs, fmt.Errorf("dedupactivity: prune: %w", interpretError(err, false)))
-			return deleted, errors.Join(errs...)
+			return deleted, false, errors.Join(errs...)
 		}
 		deleted += tag.RowsAffected()
 		d.tel.markersPruned(ctx, tag.RowsAffected())
@@ -70,7 +78,7 @@ func (d *Deduper) prune(ctx context.Context, afterBatch func(deleted int64)) (in
 			afterBatch(deleted)
 		}
 		if tag.RowsAffected() < pruneBatchSize {
-			return deleted, errors.Join(errs...)
+			return deleted, false, errors.Join(errs...)
 		}
 	}
 }
@@ -87,6 +95,11 @@ const (
 	// partition, a delete waiting for a lock) may outlast the heartbeat
 	// timeout, which is there to find a worker that died, not a slow one.
 	pruneHeartbeatEvery = pruneHeartbeatTimeout / 4
+	// pruneStopBefore is how long before its deadline the prune activity
+	// begins no batch: a run with a backlog longer than its StartToClose
+	// timeout succeeds with OutOfTime, where a timed-out one is retried
+	// and, three attempts later, fails.
+	pruneStopBefore = time.Minute
 )
 
 // pruneActivityName is the name of d's prune activity.
@@ -98,13 +111,22 @@ type PruneResult struct {
 	// Deleted counts the markers deleted (rows and rows of dropped
 	// partitions).
 	Deleted int64
+	// OutOfTime says the run stopped early, as its activity's time was
+	// running out (see RegisterPruner): markers left to delete go in the
+	// next run.
+	OutOfTime bool
 }
 
 // RegisterPruner registers the pruning workflow and d's prune activity on a
 // worker, so a Temporal Schedule (EnsurePruneSchedule) can run Prune on the
 // same engine as everything else, visible in the Web UI. Call it once for
 // each Deduper a worker prunes: the workflow is shared, the activity is d's.
-// It panics if d was not made by New, as Register does.
+// The activity (StartToClose one hour) runs Prune, heartbeating; with a
+// backlog that would outlast it (pruning turned on for a large table), it
+// begins no batch in its last minute and returns with OutOfTime set, so
+// that the run succeeds and the next one goes on, where a timed-out run
+// would be retried and fail. It panics if d was not made by New, as
+// Register does.
 func RegisterPruner(r worker.Registry, d *Deduper) {
 	if !d.made() {
 		panic("dedupactivity: RegisterPruner needs a Deduper made by New")
@@ -115,7 +137,8 @@ func RegisterPruner(r worker.Registry, d *Deduper) {
 }
 
 // pruneActivity prunes, heartbeating after each batch and every
-// pruneHeartbeatEvery, with the count deleted so far.
+// pruneHeartbeatEvery, with the count deleted so far, and begins nothing
+// pruneStopBefore ahead of its deadline.
 func (d *Deduper) pruneActivity(ctx context.Context) (PruneResult, error) {
 	var deleted atomic.Int64
 	stop, stopped := make(chan struct{}), make(chan struct{})
@@ -132,13 +155,17 @@ func (d *Deduper) pruneActivity(ctx context.Context) (PruneResult, error) {
 			}
 		}
 	}()
-	n, err := d.prune(ctx, func(n int64) {
+	var stopBy time.Time
+	if deadline := activity.GetInfo(ctx).Deadline; !deadline.IsZero() {
+		stopBy = deadline.Add(-pruneStopBefore)
+	}
+	n, outOfTime, err := d.prune(ctx, func(n int64) {
 		deleted.Store(n)
 		activity.RecordHeartbeat(ctx, n)
-	})
+	}, stopBy)
 	close(stop)
 	<-stopped
-	return PruneResult{Deleted: n}, err
+	return PruneResult{Deleted: n, OutOfTime: outOfTime}, err
 }
 
 // pruneWorkflow runs one pruning activity (its name is the input).
