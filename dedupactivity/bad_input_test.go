@@ -40,6 +40,10 @@ func TestNewValidatesOptions(t *testing.T) {
 		"Retention":       {dedupactivity.Options{Retention: 1}, "Retention"},
 		"Policy":          {dedupactivity.Options{MismatchPolicy: 42}, "MismatchPolicy"},
 		"MaxResultBytes":  {dedupactivity.Options{MaxResultBytes: -1}, "MaxResultBytes"},
+		// 200 years ahead: past what a time.Duration holds (292 years), the
+		// bounds of the partitions ahead would wrap.
+		"PartitionsAheadHuge": {dedupactivity.Options{PartitionInterval: 24 * time.Hour, PartitionsAhead: 200 * 366}, "PartitionsAhead"},
+		"PartitionsAheadWrap": {dedupactivity.Options{PartitionInterval: 24 * time.Hour, PartitionsAhead: 200_000}, "PartitionsAhead"},
 	}
 	for name, c := range cases {
 		t.Run(name, func(t *testing.T) {

@@ -155,7 +155,7 @@ type Options struct {
 	// PartitionsAhead is how many future partitions Migrate and Prune keep
 	// ready in the partitioned layout. Prune at least twice within them:
 	// EnsurePruneSchedule refuses an interval over half of PartitionsAhead
-	// x PartitionInterval.
+	// x PartitionInterval, which must be at most 100 years.
 	//
 	// Defaults to 3.
 	PartitionsAhead int
@@ -206,6 +206,9 @@ var identRE = regexp.MustCompile(`^[a-z_][a-z0-9_]*$`)
 // PostgreSQL accepts (about 24.8 days); a wait longer than an activity's
 // StartToClose timeout serves no purpose anyway.
 const maxClaimWait = 24 * time.Hour
+
+// maxPartitionsSpan bounds PartitionsAhead x PartitionInterval.
+const maxPartitionsSpan = 100 * 365 * 24 * time.Hour
 
 // withDefaults returns a copy of o with zero fields set to their defaults.
 func (o Options) withDefaults() Options {
@@ -259,6 +262,11 @@ func (o Options) validate() error {
 	}
 	if o.PartitionsAhead < 1 {
 		return fmt.Errorf("%w: PartitionsAhead must be at least 1, got %d", ErrInvalidOptions, o.PartitionsAhead)
+	}
+	if o.PartitionInterval > 0 && int64(o.PartitionsAhead) > int64(maxPartitionsSpan/o.PartitionInterval) {
+		// The partitions ahead are made by time.Duration arithmetic, which
+		// wraps past 292 years.
+		return fmt.Errorf("%w: PartitionsAhead x PartitionInterval must be at most %s (100 years), got %d x %s", ErrInvalidOptions, maxPartitionsSpan, o.PartitionsAhead, o.PartitionInterval)
 	}
 	if o.MaxResultBytes < 0 {
 		return fmt.Errorf("%w: MaxResultBytes must not be negative, got %d", ErrInvalidOptions, o.MaxResultBytes)
