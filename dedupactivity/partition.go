@@ -90,7 +90,14 @@ func (d *Deduper) ensurePartitions(ctx context.Context) (int, error) {
 		switch state := sqlState(err); {
 		case err == nil:
 			created++
-		case state == stateDuplicateTable, state == stateUniqueViolation: // another worker made it
+		case state == stateDuplicateTable, state == stateUniqueViolation:
+			// Another worker made it, unless no partition has the name: a
+			// table left by hand (detached, say), which every run would
+			// pass over while the range's markers go to the default
+			// partition.
+			if d.gone(ctx, name) {
+				return created, fmt.Errorf("dedupactivity: create partition %s: a table of that name is there and is not a partition of %s (detached by hand?): attach or drop it: %w", name, d.store.table, err)
+			}
 		case state == stateCheckViolation: // rows came to the default partition since it was read: leave the range there
 		case state == stateLockNotAvailable && lo.After(now.Add(iv)): // next run
 		case state == stateInvalidObjectDefinition:

@@ -305,6 +305,34 @@ func TestTwoPrunersAtOnce(t *testing.T) {
 	require.Zero(t, b.markers(t))
 }
 
+// TestPruneReportsAStrayTableOfAPartitionsName: a table with the name of a
+// partition ahead that is not attached (detached by hand, say) fails Prune
+// with an error that names it, instead of being taken for a partition
+// another worker made at each run while the range's markers go to the
+// default partition.
+func TestPruneReportsAStrayTableOfAPartitionsName(t *testing.T) {
+	t.Parallel()
+	iv := time.Hour
+	b := setup(t, dedupactivity.Options{PartitionInterval: iv, PartitionsAhead: 3})
+	ctx := context.Background()
+	lo := time.Now().Truncate(iv).Add(2 * iv)
+	stray := partitionName(lo)
+	_, err := b.pool.Exec(ctx, `ALTER TABLE dedup_marker DETACH PARTITION `+stray)
+	require.NoError(t, err)
+
+	_, err = b.d.Prune(ctx)
+	require.ErrorContains(t, err, stray)
+	require.ErrorContains(t, err, "not a partition")
+	require.Zero(t, b.count(t, `SELECT count(*) FROM pg_inherits WHERE inhrelid = $1::regclass`, stray), "left as it is")
+
+	// Dropped, the next run makes the partition.
+	_, err = b.pool.Exec(ctx, `DROP TABLE `+stray)
+	require.NoError(t, err)
+	_, err = b.d.Prune(ctx)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), b.count(t, `SELECT count(*) FROM pg_inherits WHERE inhrelid = $1::regclass`, stray))
+}
+
 // partitionName is the name of the marker table's partition whose range
 // starts at lo.
 func partitionName(lo time.Time) string { return "dedup_marker_p" + strconv.FormatInt(lo.Unix(), 10) }
