@@ -611,7 +611,7 @@ func (m *Middleware) StatusHandler() http.Handler {
 		if key == "" {
 			key = r.URL.Query().Get("key")
 		}
-		if key == "" {
+		if headerKey(key) == "" { // blanks alone are no key, as in the header
 			writeError(w, http.StatusBadRequest, "no key")
 			return
 		}

@@ -341,6 +341,21 @@ func TestStatusHandlerAnswersApplied(t *testing.T) {
 	require.True(t, applied)
 }
 
+// TestStatusHandlerBlankKeyIs400: a status request whose key is only
+// spaces or tabs carries no key (they are not part of a key, as in the
+// header) and gets 400, as one without a key does: it got a 500 logged as
+// an error, the store's "empty business key", which a checker takes for a
+// failure of the service.
+func TestStatusHandlerBlankKeyIs400(t *testing.T) {
+	t.Parallel()
+	b := setup(t, idemhttp.Options{})
+	for _, path := range []string{"/idempotency-keys/%20", "/idempotency-keys/%09%20"} {
+		r := b.do(t, http.MethodGet, path, nil, "")
+		require.Equal(t, http.StatusBadRequest, r.status, "%s: %s", path, r.body)
+		require.JSONEq(t, `{"error":"no key"}`, r.body)
+	}
+}
+
 func TestScopesSeparateKeys(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t)
