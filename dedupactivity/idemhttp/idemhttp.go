@@ -172,9 +172,12 @@ type Options struct {
 	// Defaults to false: they pass through without a transaction.
 	RequireKey bool
 
-	// MaxBodyBytes is the largest request body accepted: a larger one gets
-	// 413 Request Entity Too Large, as one over the limit of an
-	// http.MaxBytesHandler around the middleware does.
+	// MaxBodyBytes is the largest body accepted of a request with a key,
+	// which the middleware reads whole before the handler runs: a larger
+	// one gets 413 Request Entity Too Large, as one over the limit of an
+	// http.MaxBytesHandler around the middleware does. A request without a
+	// key is passed on with its body unread, so this does not bound it
+	// (put an http.MaxBytesHandler around the middleware for that).
 	//
 	// Defaults to DefaultMaxBodyBytes (1 MiB).
 	MaxBodyBytes int64
