@@ -602,9 +602,10 @@ func (e *RejectedError) Is(target error) bool { return target == outbox.ErrRejec
 // path value "key" (a route such as "GET /idempotency-keys/{key}") or the
 // query parameter "key". It answers 200 {"applied":true} when applied, 404
 // {"applied":false} when not, 409 {"applied":false,"status":N} when the
-// request was refused for good with the 3xx or 4xx status N, and 500 when
-// it cannot tell. With Options.Caller it answers about the asking caller's
-// key. outbox.HTTPChecker reads it. It panics if m was not made by New.
+// request was refused for good with the 3xx or 4xx status N, 400 for no
+// key or one longer than MaxKeyLength, and 500 when it cannot tell. With
+// Options.Caller it answers about the asking caller's key.
+// outbox.HTTPChecker reads it. It panics if m was not made by New.
 func (m *Middleware) StatusHandler() http.Handler {
 	if !m.made() {
 		panic(errNotNew)
@@ -616,6 +617,10 @@ func (m *Middleware) StatusHandler() http.Handler {
 		}
 		if headerKey(key) == "" { // blanks alone are no key, as in the header
 			writeError(w, http.StatusBadRequest, "no key")
+			return
+		}
+		if len(headerKey(key)) > MaxKeyLength { // refused by Handler too: never applied
+			writeError(w, http.StatusBadRequest, fmt.Sprintf("key longer than %d bytes", MaxKeyLength))
 			return
 		}
 		applied, err := m.AppliedFor(r.Context(), m.caller(r), key)

@@ -356,6 +356,22 @@ func TestStatusHandlerBlankKeyIs400(t *testing.T) {
 	}
 }
 
+// TestStatusHandlerLongKeyIs400: a status request whose key is longer
+// than MaxKeyLength, which no request could have been applied under (the
+// middleware refuses it with 400), gets 400 as that request does. A key
+// past the store's identity bound got a 500 logged as an error
+// ("identity too large"), a failure of the service for a client's mistake.
+func TestStatusHandlerLongKeyIs400(t *testing.T) {
+	t.Parallel()
+	b := setup(t, idemhttp.Options{})
+	for _, n := range []int{idemhttp.MaxKeyLength + 1, 70 << 10} {
+		r := b.keyStatus(t, strings.Repeat("k", n))
+		require.Equal(t, http.StatusBadRequest, r.status, "%d bytes: %s", n, r.body)
+		require.Contains(t, r.body, "longer than 255 bytes")
+	}
+	require.Equal(t, http.StatusNotFound, b.keyStatus(t, strings.Repeat("k", idemhttp.MaxKeyLength)).status, "the longest key is asked about")
+}
+
 func TestScopesSeparateKeys(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t)
