@@ -325,12 +325,17 @@ type response struct {
 // UTF-8 as bytes. A header is kept under the key the handler set it with,
 // which net/http sends as it is (an "ETag" set as a map key), and with no
 // value when the handler set none (a nil Content-Type stops net/http from
-// sniffing one). resp's own maps, which the first delivery's answer is
-// written from, are left as they are.
-func (resp response) stored(names []string) response {
+// sniffing one). A header as outer has it, which a middleware around this
+// one set before the handler ran and sets again on a replay, is not
+// stored. resp's own maps, which the first delivery's answer is written
+// from, are left as they are.
+func (resp response) stored(names []string, outer http.Header) response {
 	h := http.Header{}
 	for _, n := range append([]string{"Trailer", "Content-Length"}, names...) {
 		for k, v := range resp.Header {
+			if ov, ok := outer[k]; ok && slices.Equal(ov, v) {
+				continue
+			}
 			if strings.EqualFold(k, n) {
 				h[k] = v
 			}
@@ -507,7 +512,10 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 		var first response // the handler's, with every header, when it ran here
 		resp, outcome, err := dedupactivity.Do(r.Context(), m.d, m.identity(m.caller(r), key), in,
 			func(ctx context.Context, tx pgx.Tx, _ request) (response, error) {
-				rec := &recorder{header: http.Header{}, limit: m.maxBody}
+				// The header as net/http gives it: with what a middleware
+				// around this one set, for the handler to read or add to.
+				outer := w.Header().Clone()
+				rec := &recorder{header: outer.Clone(), limit: m.maxBody}
 				r2 := r.WithContext(context.WithValue(ctx, txKey{}, tx))
 				r2.Body = io.NopCloser(bytes.NewReader(body))
 				r2.ContentLength = int64(len(body))
@@ -521,7 +529,7 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 				if !storable(first.Status) || first.Status >= 300 && aborted(tx) {
 					return response{}, passOnError{first.Status}
 				}
-				return first.stored(m.opts.ReplayHeaders), nil
+				return first.stored(m.opts.ReplayHeaders, outer), nil
 			})
 		var pe passOnError
 		switch {

@@ -896,6 +896,42 @@ func TestTrailerNameAlsoAHeader(t *testing.T) {
 	}
 }
 
+// TestHandlerSeesTheHeadersSetBeforeIt: a header that a middleware around
+// this one set before calling it (a CORS middleware's Vary: Origin) is in
+// the handler's header, as net/http gives it: a handler that adds a value
+// to it sends both, first as without the middleware. Before, the handler
+// started from an empty header, and its Add replaced the outer value.
+func TestHandlerSeesTheHeadersSetBeforeIt(t *testing.T) {
+	t.Parallel()
+	var n atomic.Int64
+	outer := func(h http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			w.Header().Add("Vary", "Origin")
+			w.Header().Set("X-Request-Id", itoa(n.Add(1)))
+			h.ServeHTTP(w, r)
+		})
+	}
+	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Add("Vary", "Accept-Encoding")
+		w.WriteHeader(http.StatusCreated)
+	})
+	direct := httptest.NewServer(outer(h))
+	defer direct.Close()
+	want := sendKeyed(t, direct)
+	require.Equal(t, []string{"Origin", "Accept-Encoding"}, want.header.Values("Vary"))
+
+	_, m := newMiddleware(t, idemhttp.Options{ReplayHeaders: []string{"Vary", "X-Request-Id"}})
+	srv := httptest.NewServer(outer(m.Handler(h)))
+	defer srv.Close()
+	got := sendKeyed(t, srv)
+	require.Equal(t, http.StatusCreated, got.status)
+	require.Equal(t, want.header.Values("Vary"), got.header.Values("Vary"))
+	again := sendKeyed(t, srv)
+	require.Equal(t, "true", again.header.Get(idemhttp.ReplayedHeader))
+	require.Equal(t, want.header.Values("Vary"), again.header.Values("Vary"))
+	require.Equal(t, itoa(n.Load()), again.header.Get("X-Request-Id"), "an outer header the handler left is the outer's own, not stored")
+}
+
 // TestLargeBodyIsCutAtTheStorableSize: a body that cannot be stored (above
 // Dedup.MaxResultBytes, which holds it base64-encoded) is refused as it is
 // written, so a handler that streams a large answer is not buffered whole
