@@ -534,12 +534,12 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 		var pe passOnError
 		switch {
 		case err == nil && outcome == dedupactivity.OutcomeClaimed:
-			writeResponse(w, first)
+			writeFirst(w, first)
 		case err == nil:
 			w.Header().Set(ReplayedHeader, "true")
 			writeResponse(w, resp.replayed())
 		case errors.As(err, &pe):
-			writeResponse(w, first)
+			writeFirst(w, first)
 		case errors.Is(err, dedupactivity.ErrPayloadMismatch):
 			writeError(w, http.StatusUnprocessableEntity, "this "+m.opts.KeyHeader+" was used with a different request (method, path or body)")
 		case errors.Is(err, dedupactivity.ErrClaimTimeout):
@@ -772,6 +772,19 @@ func (r *recorder) trailers() http.Header {
 		return nil
 	}
 	return t
+}
+
+// writeFirst sends the response of the handler that ran here, whose
+// header started as w's (see Handler): a header the handler deleted from
+// it is deleted from w's too, as net/http would not send it.
+func writeFirst(w http.ResponseWriter, resp response) {
+	h := w.Header()
+	for k := range h {
+		if _, ok := resp.Header[k]; !ok {
+			delete(h, k)
+		}
+	}
+	writeResponse(w, resp)
 }
 
 // writeResponse sends resp as its handler would have: the headers, the

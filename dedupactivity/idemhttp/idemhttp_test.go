@@ -932,6 +932,39 @@ func TestHandlerSeesTheHeadersSetBeforeIt(t *testing.T) {
 	require.Equal(t, itoa(n.Load()), again.header.Get("X-Request-Id"), "an outer header the handler left is the outer's own, not stored")
 }
 
+// TestHandlerDeletesAHeaderSetBeforeIt: a header that a middleware around
+// this one set and the handler deleted is not sent, as net/http does not
+// send it; it went out on the first response (and on an answer passed on
+// unstored) from the outer map, which the middleware wrote the handler's
+// header onto.
+func TestHandlerDeletesAHeaderSetBeforeIt(t *testing.T) {
+	t.Parallel()
+	var status atomic.Int64
+	outer := func(h http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			w.Header().Set("Cache-Control", "no-store")
+			h.ServeHTTP(w, r)
+		})
+	}
+	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Del("Cache-Control")
+		w.WriteHeader(int(status.Load()))
+	})
+	direct := httptest.NewServer(outer(h))
+	defer direct.Close()
+	_, m := newMiddleware(t, idemhttp.Options{})
+	srv := httptest.NewServer(outer(m.Handler(h)))
+	defer srv.Close()
+	for _, code := range []int{http.StatusServiceUnavailable, http.StatusCreated} {
+		status.Store(int64(code))
+		want := sendKeyed(t, direct)
+		require.Empty(t, want.header.Values("Cache-Control"))
+		got := sendKeyed(t, srv)
+		require.Equal(t, code, got.status)
+		require.Equal(t, want.header.Values("Cache-Control"), got.header.Values("Cache-Control"), "%d", code)
+	}
+}
+
 // TestLargeBodyIsCutAtTheStorableSize: a body that cannot be stored (above
 // Dedup.MaxResultBytes, which holds it base64-encoded) is refused as it is
 // written, so a handler that streams a large answer is not buffered whole
