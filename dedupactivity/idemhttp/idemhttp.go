@@ -214,8 +214,9 @@ type Middleware struct {
 	maxBody int
 }
 
-// New returns a Middleware storing its keys through pool. opts is checked;
-// an error wraps dedupactivity.ErrInvalidOptions and names the field.
+// New returns a Middleware storing its keys through pool. opts is checked:
+// an error for one of them wraps dedupactivity.ErrInvalidOptions and names
+// the field.
 func New(pool *pgxpool.Pool, opts Options) (*Middleware, error) {
 	if opts.InFlightWait == 0 {
 		opts.InFlightWait = DefaultInFlightWait
@@ -681,8 +682,9 @@ type recorder struct {
 	over   bool // a Write was refused for going over limit
 }
 
-// errBodyTooLarge is a Write's error past the body that can be stored.
-var errBodyTooLarge = errors.New("idemhttp: response body too large to store for replay")
+// errBodyTooLarge is a Write's error past the body that can be stored; a
+// handler can tell it with errors.Is(err, dedupactivity.ErrResultTooLarge).
+var errBodyTooLarge = fmt.Errorf("idemhttp: response body too large to store for replay: %w", dedupactivity.ErrResultTooLarge)
 
 func (r *recorder) Header() http.Header { return r.header }
 

@@ -998,6 +998,7 @@ func TestLargeBodyIsCutAtTheStorableSize(t *testing.T) {
 	require.JSONEq(t, `{"error":"internal error"}`, r.body)
 	require.LessOrEqual(t, written.Load(), int64(limit), "the body is not buffered past what can be stored")
 	require.NotNil(t, writeErr.Load(), "the handler's Write fails once the body cannot be stored")
+	require.ErrorIs(t, writeErr.Load().(error), dedupactivity.ErrResultTooLarge, "a handler can tell why")
 	require.Contains(t, logged.String(), "too large")
 	require.Zero(t, b.receipts(t), "rolled back")
 }
