@@ -56,7 +56,9 @@
 //     MaxResultBytes, so a larger one is not buffered whole (under a status
 //     that is stored: a 5xx, 408, 409, 425 or 429 is passed on whole). Streaming
 //     (Flusher, Hijacker) is not available to a handler behind the
-//     middleware, and informational 1xx answers are dropped.
+//     middleware, nor are http.ResponseController's deadlines and full
+//     duplex (ErrNotSupported), and informational 1xx answers are dropped
+//     (101 Switching Protocols too, which needs Hijack).
 //   - A stored 3xx or 4xx commits the handler's writes too, while Applied
 //     reports the key refused: a handler should write only when it answers
 //     2xx.
