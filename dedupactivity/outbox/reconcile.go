@@ -590,7 +590,10 @@ ORDER BY (state = 'dead' AND requeues >= $3), checked_at NULLS FIRST, id LIMIT $
 ` + as
 			args = append(args, asked)
 		default:
-			sql = `UPDATE ` + t + ` SET state = 'pending', next_attempt_at = now(), lease_until = NULL, unacked_since = $5
+			// A lease under which no send began gives its try back, as
+			// when a relay takes it over (see claim).
+			sql = `UPDATE ` + t + ` SET state = 'pending', next_attempt_at = now(), lease_until = NULL, unacked_since = $5,
+	tries = tries - (state = 'sending' AND NOT in_send)::int
 ` + as
 			args = append(args, asked)
 		}

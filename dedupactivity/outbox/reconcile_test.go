@@ -1337,3 +1337,30 @@ func TestReconcilerKeyRetentionAtTheAnswer(t *testing.T) {
 	require.Contains(t, rep.Unresolved[0].Reason, "first sent more than KeyRetention (3s) ago")
 	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE idempotency_key = $1 AND state = 'dead' AND requeues = 0`, keys[1]))
 }
+
+// TestReconcilerRequeueOfAnUnbegunLeaseGivesItsTryBack: a message whose
+// lease ended before its send began (its relay stopped first) is not
+// charged that try when the reconciler re-queues it, as it is not when a
+// relay takes the lease over. With MaxAttempts 3 and two real sends failed,
+// the message is pending (tries 2), not dead.
+func TestReconcilerRequeueOfAnUnbegunLeaseGivesItsTryBack(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	dest := newDestination(t, func(string, int) int { return http.StatusServiceUnavailable })
+	keys := b.placeN(t, 1)
+	ctx := context.Background()
+	// One send failed long ago; then a lease under which no send began ended.
+	_, err := b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET state = 'sending', attempts = 2, tries = 2, in_send = false,
+	unacked_since = now() - interval '10 minutes', lease_until = now() - interval '1 second'`)
+	require.NoError(t, err)
+	rc, err := outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{
+		Checker: outbox.CheckerFunc(func(context.Context, outbox.Delivery) (bool, error) { return false, nil })})
+	require.NoError(t, err)
+	rep, err := rc.Reconcile(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 1, rep.Requeued)
+	_, err = b.relay(t, dest, outbox.RelayConfig{MaxAttempts: 3}).RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 1, dest.count(keys[0]))
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'pending' AND tries = 2`), "two sends, not three")
+}
