@@ -479,7 +479,9 @@ func (r *Relay) deliver(ctx context.Context, leaseEnd time.Time, d Delivery, res
 		tag, err = r.fail(rctx, d, StatePending, min(max(r.backoff(d.tries), waitAsked(sendErr)), r.cfg.MaxBackoff), sendErr)
 	}
 	if err != nil {
-		r.tel.endSend(ctx, span, d, result, errors.Join(sendErr, err))
+		// Not recorded: the message is still leased, and is sent again
+		// after its lease. The pass stops here.
+		r.tel.endSend(ctx, span, d, resultStopped, errors.Join(sendErr, err))
 		return err
 	}
 	if tag == 0 {

@@ -755,6 +755,48 @@ func TestTableLabelNamesTheSchema(t *testing.T) {
 	require.ElementsMatch(t, want, got)
 }
 
+// TestUnrecordedOutcomeCountsAsStopped: a send whose outcome the relay
+// could not record (the outbox's table unreachable once the destination
+// answered) is counted as stopped, as the pass stops there: not as the
+// delivered, retried or dead it would have been, which the table does not
+// say (the message is still leased, sent again after its lease).
+func TestUnrecordedOutcomeCountsAsStopped(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	for status, would := range map[int]string{200: "delivered", 503: "retried", 400: "dead"} {
+		t.Run(would, func(t *testing.T) {
+			table := fmt.Sprintf("dedup_outbox_%d", status)
+			ob, err := outbox.New(b.schema.Pool, outbox.Options{Table: table})
+			require.NoError(t, err)
+			require.NoError(t, ob.Migrate(ctx))
+			require.NoError(t, pgx.BeginFunc(ctx, b.schema.Pool, func(tx pgx.Tx) error {
+				_, err := ob.Enqueue(ctx, tx, outbox.Message{Destination: "receipts", Key: "k-" + would, Payload: []byte(`{}`)})
+				return err
+			}))
+			dest := newDestination(t, func(string, int) int {
+				// The table goes away while the destination answers.
+				_, err := b.schema.Pool.Exec(ctx, `ALTER TABLE `+table+` RENAME TO `+table+`_away`)
+				require.NoError(t, err)
+				return status
+			})
+			reader := sdkmetric.NewManualReader()
+			r, err := outbox.NewRelay(ob, outbox.RelayConfig{Sender: httpSender(t, dest.URL), MaxAttempts: 5,
+				MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))})
+			require.NoError(t, err)
+			_, err = r.RunOnce(ctx)
+			require.Error(t, err)
+			_, err = b.schema.Pool.Exec(ctx, `ALTER TABLE `+table+`_away RENAME TO `+table)
+			require.NoError(t, err)
+
+			counts, _, _ := relayMetrics(t, reader)
+			require.Equal(t, int64(1), counts["receipts/stopped"], "%v", counts)
+			require.Zero(t, counts["receipts/"+would], "%v", counts)
+			require.Equal(t, 1, b.count(t, `SELECT count(*) FROM `+table+` WHERE state = 'sending'`), "still leased")
+		})
+	}
+}
+
 func TestRelayTelemetry(t *testing.T) {
 	t.Parallel()
 	b := setup(t)

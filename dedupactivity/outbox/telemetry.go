@@ -21,7 +21,8 @@ const (
 	// DestinationKey is the message's destination.
 	DestinationKey = attribute.Key("dedup.outbox.destination")
 	// ResultKey is what a send came to: delivered, retried, dead,
-	// lease_lost or stopped.
+	// lease_lost or stopped (the pass stopped at it: the relay stopping,
+	// or its outcome could not be recorded, the message left leased).
 	ResultKey = attribute.Key("dedup.outbox.result")
 	// MessageKeyKey is the message's idempotency key.
 	MessageKeyKey = attribute.Key("dedup.outbox.idempotency_key")
