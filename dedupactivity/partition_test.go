@@ -20,6 +20,7 @@ import (
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 	"github.com/dedupactivity/dedupactivity/internal/pgtest"
+	"github.com/dedupactivity/dedupactivity/internal/temporaltest"
 )
 
 func TestPartitionedLayout(t *testing.T) {
@@ -714,8 +715,8 @@ func TestPruneActivityHeartbeatsDuringALongStatement(t *testing.T) {
 	// Counted as the activity calls RecordHeartbeat: the SDK then sends at
 	// most one per throttle interval (0.8 of the heartbeat timeout), which
 	// the test environment's listener would show.
-	var beats atomic.Int64
-	env.SetWorkerOptions(worker.Options{Interceptors: []interceptor.WorkerInterceptor{&heartbeatCounter{n: &beats}}})
+	var beats temporaltest.HeartbeatCounter
+	env.SetWorkerOptions(worker.Options{Interceptors: []interceptor.WorkerInterceptor{&beats}})
 	dedupactivity.RegisterPruner(activityRegistry{env: env}, d)
 	done := make(chan error, 1)
 	var res dedupactivity.PruneResult
@@ -729,9 +730,9 @@ func TestPruneActivityHeartbeatsDuringALongStatement(t *testing.T) {
 	require.Eventually(t, func() bool {
 		return b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%`+partitionName(past)+`%'`) == 1
 	}, 10*time.Second, 10*time.Millisecond, "the read of the locked partition waits")
-	before := beats.Load()
+	before := beats.Count()
 	time.Sleep(time.Second)
-	during := beats.Load() - before
+	during := beats.Count() - before
 	require.NoError(t, holder.Rollback(ctx))
 	select {
 	case err := <-done:
@@ -741,35 +742,6 @@ func TestPruneActivityHeartbeatsDuringALongStatement(t *testing.T) {
 	}
 	require.GreaterOrEqual(t, during, int64(5), "heartbeats while one statement waited 1s (every 50ms)")
 	require.Equal(t, int64(1), res.Deleted, "the partition, dropped once free")
-}
-
-// heartbeatCounter counts the activities' RecordHeartbeat calls.
-type heartbeatCounter struct {
-	interceptor.WorkerInterceptorBase
-	n *atomic.Int64
-}
-
-func (h *heartbeatCounter) InterceptActivity(ctx context.Context, next interceptor.ActivityInboundInterceptor) interceptor.ActivityInboundInterceptor {
-	return &heartbeatInbound{ActivityInboundInterceptorBase: interceptor.ActivityInboundInterceptorBase{Next: next}, n: h.n}
-}
-
-type heartbeatInbound struct {
-	interceptor.ActivityInboundInterceptorBase
-	n *atomic.Int64
-}
-
-func (h *heartbeatInbound) Init(outbound interceptor.ActivityOutboundInterceptor) error {
-	return h.Next.Init(&heartbeatOutbound{ActivityOutboundInterceptorBase: interceptor.ActivityOutboundInterceptorBase{Next: outbound}, n: h.n})
-}
-
-type heartbeatOutbound struct {
-	interceptor.ActivityOutboundInterceptorBase
-	n *atomic.Int64
-}
-
-func (h *heartbeatOutbound) RecordHeartbeat(ctx context.Context, details ...any) {
-	h.n.Add(1)
-	h.Next.RecordHeartbeat(ctx, details...)
 }
 
 // oldestPartitionStart is the start of table's oldest range partition, read

@@ -41,3 +41,7 @@ func PruneUntil(ctx context.Context, ob *Outbox, stopBy time.Time) (int64, bool,
 
 // OutboxColumns are the columns Migrate requires of an outbox table there.
 var OutboxColumns = outboxColumns
+
+// SetRelayHeartbeat makes r's activity heartbeat every every besides after
+// each message.
+func SetRelayHeartbeat(r *Relay, every time.Duration) { r.beatEvery = every }

@@ -214,6 +214,8 @@ type Relay struct {
 	// error stops the pass there, the message left leased, as if the relay
 	// had died.
 	beforeBegin func(Delivery) error
+	// beatEvery, when set (tests only), replaces sweepHeartbeatEvery.
+	beatEvery time.Duration
 
 	waits waits // destinations that asked for a wait
 }

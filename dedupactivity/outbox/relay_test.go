@@ -28,10 +28,13 @@ import (
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.temporal.io/sdk/activity"
+	"go.temporal.io/sdk/interceptor"
 	"go.temporal.io/sdk/testsuite"
+	"go.temporal.io/sdk/worker"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity/outbox"
 	"github.com/dedupactivity/dedupactivity/internal/pgtest"
+	"github.com/dedupactivity/dedupactivity/internal/temporaltest"
 )
 
 func (b *testBundle) relay(t *testing.T, dest *destination, cfg outbox.RelayConfig) *outbox.Relay {
@@ -645,6 +648,46 @@ func runRelayActivity(t *testing.T, r *outbox.Relay) outbox.RelayResult {
 	var res outbox.RelayResult
 	require.NoError(t, val.Get(&res))
 	return res
+}
+
+// TestRelayActivityHeartbeatsDuringALongSend: the relay activity heartbeats
+// on a clock, not only after each message, so that one send longer than
+// the sweeps' HeartbeatTimeout (two minutes; a Lease that allows it) does
+// not time the activity out. Here every 50ms, during a send of 1s.
+func TestRelayActivityHeartbeatsDuringALongSend(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	sending := make(chan struct{})
+	dest := newDestination(t, func(string, int) int {
+		close(sending)
+		time.Sleep(time.Second)
+		return http.StatusOK
+	})
+	b.placeN(t, 1)
+	r := b.relay(t, dest, outbox.RelayConfig{})
+	outbox.SetRelayHeartbeat(r, 50*time.Millisecond)
+	var suite testsuite.WorkflowTestSuite
+	env := suite.NewTestActivityEnvironment()
+	var beats temporaltest.HeartbeatCounter
+	env.SetWorkerOptions(worker.Options{Interceptors: []interceptor.WorkerInterceptor{&beats}})
+	env.RegisterActivityWithOptions(r.Activity, activityNamed(outbox.RelayActivityName(r)))
+	done := make(chan outbox.RelayResult, 1)
+	go func() {
+		val, err := env.ExecuteActivity(outbox.RelayActivityName(r))
+		var res outbox.RelayResult
+		if err == nil {
+			err = val.Get(&res)
+		}
+		assert.NoError(t, err)
+		done <- res
+	}()
+	<-sending
+	before := beats.Count()
+	time.Sleep(700 * time.Millisecond)
+	during := beats.Count() - before
+	require.Equal(t, outbox.RelayResult{Delivered: 1}, <-done)
+	require.GreaterOrEqual(t, during, int64(5), "heartbeats while one send took 1s (every 50ms)")
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'sent'`))
 }
 
 // TestRelayActivityEndsBeforeItsDeadline: a pass whose next batch's lease

@@ -1,9 +1,11 @@
 package outbox
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	enumspb "go.temporal.io/api/enums/v1"
@@ -48,7 +50,8 @@ func (rc *Reconciler) reconcileActivityName() string {
 
 // RegisterRelay registers the relay workflow and relay's activity on a
 // worker. The activity runs one pass (RunOnce), heartbeating after every
-// message, and returns its RelayResult; a pass that would outlast the
+// message and every 30 seconds (a send may take up to its Lease), and
+// returns its RelayResult; a pass that would outlast the
 // activity's StartToClose timeout (30 minutes: a backlog after an outage)
 // claims nothing in its last minute and one Lease, and returns with
 // OutOfTime set, so that the run succeeds and the next one goes on, where a
@@ -73,7 +76,46 @@ func RegisterRelay(r worker.Registry, relay *Relay) {
 // (RunOnce), heartbeating after every message, that ends before the
 // activity's deadline (see RegisterRelay).
 func (r *Relay) Activity(ctx context.Context) (RelayResult, error) {
-	return r.runOnce(ctx, func(res RelayResult) { activity.RecordHeartbeat(ctx, res) }, sweepStop(ctx))
+	beat, stop := heartbeating[RelayResult](ctx, cmp.Or(r.beatEvery, sweepHeartbeatEvery))
+	defer stop()
+	return r.runOnce(ctx, beat, sweepStop(ctx))
+}
+
+// sweepHeartbeatEvery is how often the relay activity heartbeats besides
+// after each message: one send may outlast the sweeps' HeartbeatTimeout (a
+// Lease over two minutes), which is there to find a worker that died, not
+// a slow send, which its lease bounds.
+const sweepHeartbeatEvery = 30 * time.Second
+
+// heartbeating returns beat, which records a heartbeat with its details,
+// and repeats the last details every interval until stop returns.
+func heartbeating[T any](ctx context.Context, every time.Duration) (beat func(T), stop func()) {
+	var mu sync.Mutex
+	var last T
+	done, stopped := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(stopped)
+		tick := time.NewTicker(every)
+		defer tick.Stop()
+		for {
+			select {
+			case <-done:
+				return
+			case <-tick.C:
+				mu.Lock()
+				v := last
+				mu.Unlock()
+				activity.RecordHeartbeat(ctx, v)
+			}
+		}
+	}()
+	beat = func(v T) {
+		mu.Lock()
+		last = v
+		mu.Unlock()
+		activity.RecordHeartbeat(ctx, v)
+	}
+	return beat, func() { close(done); <-stopped }
 }
 
 // sweepStop is when a relay, reconcile or prune activity stops beginning
