@@ -321,7 +321,8 @@ func (rc *Reconciler) Outbox() *Outbox { return rc.ob }
 
 // ReconcileReport is what one Reconcile call did.
 type ReconcileReport struct {
-	// Checked counts the messages asked about.
+	// Checked counts the messages asked about, and those with headers
+	// that could not be read (reported, never asked).
 	Checked int
 	// Applied counts messages the destination had applied, now StateApplied.
 	Applied int

@@ -279,7 +279,8 @@ func NewHTTPSender(cfg HTTPSenderConfig) (*HTTPSender, error) {
 // errors.Is when the status is not worth retrying.
 type StatusError struct {
 	StatusCode int
-	// Body is the start of the response body (at most 512 bytes).
+	// Body is the start of the response body (at most 512 bytes), and, if
+	// reading it failed, why.
 	Body string
 	// RetryAfter is the wait the response's Retry-After header asks for
 	// (delay-seconds or an HTTP-date), 0 without one or with one that
