@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"sync/atomic"
 	"time"
 
 	enumspb "go.temporal.io/api/enums/v1"
@@ -16,6 +15,7 @@ import (
 	"go.temporal.io/sdk/worker"
 	"go.temporal.io/sdk/workflow"
 
+	"github.com/dedupactivity/dedupactivity/dedupactivity/internal/heartbeat"
 	"github.com/dedupactivity/dedupactivity/dedupactivity/internal/schedule"
 )
 
@@ -140,31 +140,13 @@ func RegisterPruner(r worker.Registry, d *Deduper) {
 // pruneHeartbeatEvery, with the count deleted so far, and begins nothing
 // pruneStopBefore ahead of its deadline.
 func (d *Deduper) pruneActivity(ctx context.Context) (PruneResult, error) {
-	var deleted atomic.Int64
-	stop, stopped := make(chan struct{}), make(chan struct{})
-	go func() {
-		defer close(stopped)
-		tick := time.NewTicker(cmp.Or(d.pruneBeat, pruneHeartbeatEvery))
-		defer tick.Stop()
-		for {
-			select {
-			case <-stop:
-				return
-			case <-tick.C:
-				activity.RecordHeartbeat(ctx, deleted.Load())
-			}
-		}
-	}()
 	var stopBy time.Time
 	if deadline := activity.GetInfo(ctx).Deadline; !deadline.IsZero() {
 		stopBy = deadline.Add(-pruneStopBefore)
 	}
-	n, outOfTime, err := d.prune(ctx, func(n int64) {
-		deleted.Store(n)
-		activity.RecordHeartbeat(ctx, n)
-	}, stopBy)
-	close(stop)
-	<-stopped
+	beat, stop := heartbeat.Start[int64](ctx, cmp.Or(d.pruneBeat, pruneHeartbeatEvery))
+	defer stop()
+	n, outOfTime, err := d.prune(ctx, beat, stopBy)
 	return PruneResult{Deleted: n, OutOfTime: outOfTime}, err
 }
 

@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"sync"
 	"time"
 
 	enumspb "go.temporal.io/api/enums/v1"
@@ -15,6 +14,7 @@ import (
 	"go.temporal.io/sdk/worker"
 	"go.temporal.io/sdk/workflow"
 
+	"github.com/dedupactivity/dedupactivity/dedupactivity/internal/heartbeat"
 	"github.com/dedupactivity/dedupactivity/dedupactivity/internal/schedule"
 )
 
@@ -76,7 +76,7 @@ func RegisterRelay(r worker.Registry, relay *Relay) {
 // (RunOnce), heartbeating after every message, that ends before the
 // activity's deadline (see RegisterRelay).
 func (r *Relay) Activity(ctx context.Context) (RelayResult, error) {
-	beat, stop := heartbeating[RelayResult](ctx, cmp.Or(r.beatEvery, sweepHeartbeatEvery))
+	beat, stop := heartbeat.Start[RelayResult](ctx, cmp.Or(r.beatEvery, sweepHeartbeatEvery))
 	defer stop()
 	return r.runOnce(ctx, beat, sweepStop(ctx))
 }
@@ -86,37 +86,6 @@ func (r *Relay) Activity(ctx context.Context) (RelayResult, error) {
 // Lease over two minutes), which is there to find a worker that died, not
 // a slow send, which its lease bounds.
 const sweepHeartbeatEvery = 30 * time.Second
-
-// heartbeating returns beat, which records a heartbeat with its details,
-// and repeats the last details every interval until stop returns.
-func heartbeating[T any](ctx context.Context, every time.Duration) (beat func(T), stop func()) {
-	var mu sync.Mutex
-	var last T
-	done, stopped := make(chan struct{}), make(chan struct{})
-	go func() {
-		defer close(stopped)
-		tick := time.NewTicker(every)
-		defer tick.Stop()
-		for {
-			select {
-			case <-done:
-				return
-			case <-tick.C:
-				mu.Lock()
-				v := last
-				mu.Unlock()
-				activity.RecordHeartbeat(ctx, v)
-			}
-		}
-	}()
-	beat = func(v T) {
-		mu.Lock()
-		last = v
-		mu.Unlock()
-		activity.RecordHeartbeat(ctx, v)
-	}
-	return beat, func() { close(done); <-stopped }
-}
 
 // sweepStop is when a relay, reconcile or prune activity stops beginning
 // work: a minute before its deadline, to give back what it leased, mark
