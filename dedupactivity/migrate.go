@@ -14,6 +14,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/dedupactivity/dedupactivity/dedupactivity/internal/pgschema"
 	"github.com/dedupactivity/dedupactivity/migrations"
 )
 
@@ -161,29 +162,13 @@ func (d *Deduper) functions() []string {
 }
 
 // createSchema creates Options.Schema (if set) unless it exists, in a
-// statement of its own, before the migration's transaction: inside it,
-// after waiting for the lock while another process created the schema,
-// CREATE SCHEMA IF NOT EXISTS can miss the other's commit and fail with a
-// unique_violation on pg_namespace. Here the same schema created at once
-// elsewhere (unique_violation, or duplicate_schema) has committed, which is
-// all this asks, and the transaction begins after it. A schema that exists
-// is not created again: CREATE SCHEMA IF NOT EXISTS checks the database's
-// CREATE privilege before it looks, which a role that may create tables in
-// the schema (one a DBA made) need not have.
+// statement of its own before the migration's transaction (see
+// pgschema.Ensure).
 func (d *Deduper) createSchema(ctx context.Context) error {
 	if d.opts.Schema == "" {
 		return nil
 	}
-	schema := pgx.Identifier{d.opts.Schema}.Sanitize()
-	var exists bool
-	if err := d.pool.QueryRow(ctx, schemaExistsSQL, schema).Scan(&exists); err != nil || exists {
-		return err
-	}
-	_, err := d.pool.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS `+schema)
-	if s := sqlState(err); s == stateUniqueViolation || s == stateDuplicateSchema {
-		return nil
-	}
-	return err
+	return pgschema.Ensure(ctx, d.pool, d.opts.Schema)
 }
 
 // applyMigrations runs the migrations in one transaction under

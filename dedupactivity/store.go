@@ -30,7 +30,6 @@ const (
 	stateDuplicateTable   = "42P07"
 	stateCheckViolation   = "23514"
 	stateUniqueViolation  = "23505"
-	stateDuplicateSchema  = "42P06"
 	stateTxEnded          = "DDUP2" // raised by the <table>_ended function
 	stateTableMoved       = "DDUP3" // raised by the <table>_moved function
 	// A partition bound overlapping another partition's, among others.
@@ -257,8 +256,6 @@ const (
 	// nothing.
 	currentXactSQL        = `SELECT pg_current_xact_id_if_assigned()::text`
 	setLocalSearchPathSQL = `SELECT set_config('search_path', $1, true)`
-	// schemaExistsSQL says whether the schema $1 (a quoted name) exists.
-	schemaExistsSQL = `SELECT to_regnamespace($1) IS NOT NULL`
 )
 
 func createVersionTableSQL(table string) string {

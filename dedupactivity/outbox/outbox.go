@@ -20,6 +20,7 @@ import (
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 	"github.com/dedupactivity/dedupactivity/dedupactivity/internal/event"
+	"github.com/dedupactivity/dedupactivity/dedupactivity/internal/pgschema"
 	"github.com/dedupactivity/dedupactivity/migrations/outbox"
 )
 
@@ -556,30 +557,13 @@ FROM (SELECT coalesce(nullif($1::text, ''), current_schema()) AS s) AS c`, ob.op
 }
 
 // createSchema creates Options.Schema (if set) unless it exists, in a
-// statement of its own, before the migration's transaction, as
-// dedupactivity's Deduper.Migrate does (see its createSchema): created
-// inside, it can fail with a unique_violation when another process, outbox
-// or Deduper, created it while this one waited for the lock. The same
-// schema created at once elsewhere (unique_violation, or duplicate_schema)
-// has committed, which is all this asks. A schema that exists is not
-// created again: CREATE SCHEMA IF NOT EXISTS checks the database's CREATE
-// privilege before it looks, which a role that may create tables in the
-// schema (one a DBA made) need not have.
+// statement of its own before the migration's transaction, as
+// dedupactivity's Deduper.Migrate does (see pgschema.Ensure).
 func (ob *Outbox) createSchema(ctx context.Context) error {
 	if ob.opts.Schema == "" {
 		return nil
 	}
-	schema := pgx.Identifier{ob.opts.Schema}.Sanitize()
-	var exists bool
-	if err := ob.pool.QueryRow(ctx, `SELECT to_regnamespace($1) IS NOT NULL`, schema).Scan(&exists); err != nil || exists {
-		return err
-	}
-	_, err := ob.pool.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS `+schema)
-	var pgErr interface{ SQLState() string }
-	if errors.As(err, &pgErr) && (pgErr.SQLState() == "23505" || pgErr.SQLState() == "42P06") {
-		return nil
-	}
-	return err
+	return pgschema.Ensure(ctx, ob.pool, ob.opts.Schema)
 }
 
 func (ob *Outbox) lockKey(purpose string) int64 {
