@@ -45,3 +45,7 @@ var OutboxColumns = outboxColumns
 // SetRelayHeartbeat makes r's activity heartbeat every every besides after
 // each message.
 func SetRelayHeartbeat(r *Relay, every time.Duration) { r.beatEvery = every }
+
+// SetReconcileHeartbeat makes rc's activity heartbeat every every besides
+// before each check.
+func SetReconcileHeartbeat(rc *Reconciler, every time.Duration) { rc.beatEvery = every }

@@ -18,6 +18,8 @@ import (
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
 	"go.temporal.io/sdk/activity"
+
+	"github.com/dedupactivity/dedupactivity/dedupactivity/internal/heartbeat"
 )
 
 // Checker asks a destination whether it applied a message: "did you apply
@@ -239,6 +241,7 @@ type Reconciler struct {
 	reconciled metric.Int64Counter
 	zero       *zeroSeries
 	waits      waits
+	beatEvery  time.Duration // when set (tests only), replaces sweepHeartbeatEvery
 }
 
 // NewReconciler returns a Reconciler for ob. cfg is checked; an error names
@@ -392,7 +395,16 @@ func cut(s string, n int) string {
 
 // reconcileActivity runs Reconcile and returns its report as listed.
 func (rc *Reconciler) reconcileActivity(ctx context.Context) (ReconcileReport, error) {
-	rep, err := rc.reconcile(ctx, sweepStop(ctx))
+	beat := func(checked int) { activity.RecordHeartbeat(ctx, checked) }
+	if rc.checkTime > 0 {
+		// Each check is bounded (an HTTPChecker's Timeout, which may be
+		// longer than the sweeps' HeartbeatTimeout): heartbeat on a clock
+		// too. An unbounded Checker that hangs is left to the timeout.
+		var stop func()
+		beat, stop = heartbeat.Start[int](ctx, cmp.Or(rc.beatEvery, sweepHeartbeatEvery))
+		defer stop()
+	}
+	rep, err := rc.reconcile(ctx, sweepStop(ctx), beat)
 	return rep.listed(), err
 }
 
@@ -415,12 +427,17 @@ type Unresolved struct {
 // conditional on the message's row being the version read, so a relay that
 // sends it meanwhile wins, and the next run asks again.
 func (rc *Reconciler) Reconcile(ctx context.Context) (ReconcileReport, error) {
-	return rc.reconcile(ctx, time.Time{})
+	return rc.reconcile(ctx, time.Time{}, func(checked int) {
+		if activity.IsActivity(ctx) {
+			activity.RecordHeartbeat(ctx, checked)
+		}
+	})
 }
 
-// reconcile is Reconcile; with a stopBy, it asks nothing once a check begun
-// then could end after stopBy, and reports OutOfTime.
-func (rc *Reconciler) reconcile(ctx context.Context, stopBy time.Time) (rep ReconcileReport, err error) {
+// reconcile is Reconcile, calling beat with the count checked before each
+// check; with a stopBy, it asks nothing once a check begun then could end
+// after stopBy, and reports OutOfTime.
+func (rc *Reconciler) reconcile(ctx context.Context, stopBy time.Time, beat func(checked int)) (rep ReconcileReport, err error) {
 	ctx, span := rc.tracer.Start(ctx, "OutboxReconcile")
 	defer func() {
 		span.SetAttributes(
@@ -518,9 +535,7 @@ ORDER BY (state = 'dead' AND requeues >= $3), checked_at NULLS FIRST, id LIMIT $
 			// not marked checked, so it keeps its place.
 			continue
 		}
-		if activity.IsActivity(ctx) {
-			activity.RecordHeartbeat(ctx, rep.Checked) // each check may take the Checker's timeout
-		}
+		beat(rep.Checked) // each check may take the Checker's timeout
 		rep.Checked++
 		unresolved := func(reason string) {
 			rep.Unresolved = append(rep.Unresolved, Unresolved{Key: c.d.Key, Destination: c.d.Destination, State: c.state,

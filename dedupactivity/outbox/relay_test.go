@@ -690,6 +690,57 @@ func TestRelayActivityHeartbeatsDuringALongSend(t *testing.T) {
 	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'sent'`))
 }
 
+// TestReconcileActivityHeartbeatsDuringALongCheck: the reconcile activity
+// heartbeats on a clock when its checks are bounded (an HTTPChecker's
+// Timeout, which may be longer than the sweeps' two-minute
+// HeartbeatTimeout), not only before each check. Here every 50ms, during
+// a check of 1s.
+func TestReconcileActivityHeartbeatsDuringALongCheck(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	b.placeN(t, 1)
+	// Sent long ago, its answer lost; its lease over.
+	_, err := b.schema.Pool.Exec(ctx, `UPDATE dedup_outbox SET state = 'sending', attempts = 1, tries = 1, in_send = true,
+	unacked_since = now() - interval '10 minutes', lease_until = now() - interval '1 second'`)
+	require.NoError(t, err)
+	checking := make(chan struct{})
+	status := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		close(checking)
+		time.Sleep(time.Second)
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = io.WriteString(w, `{"applied":true}`)
+	}))
+	t.Cleanup(status.Close)
+	rc, err := outbox.NewReconciler(b.ob, outbox.ReconcilerConfig{
+		Checker: outbox.HTTPChecker{URL: outbox.StatusURL(map[string]string{"receipts": status.URL})}})
+	require.NoError(t, err)
+	outbox.SetReconcileHeartbeat(rc, 50*time.Millisecond)
+	var suite testsuite.WorkflowTestSuite
+	env := suite.NewTestActivityEnvironment()
+	var beats temporaltest.HeartbeatCounter
+	env.SetWorkerOptions(worker.Options{Interceptors: []interceptor.WorkerInterceptor{&beats}})
+	env.RegisterActivityWithOptions(outbox.ReconcileActivity(rc), activityNamed(outbox.ReconcileActivityName(rc)))
+	done := make(chan outbox.ReconcileReport, 1)
+	go func() {
+		val, err := env.ExecuteActivity(outbox.ReconcileActivityName(rc))
+		var rep outbox.ReconcileReport
+		if err == nil {
+			err = val.Get(&rep)
+		}
+		assert.NoError(t, err)
+		done <- rep
+	}()
+	<-checking
+	before := beats.Count()
+	time.Sleep(700 * time.Millisecond)
+	during := beats.Count() - before
+	rep := <-done
+	require.Equal(t, 1, rep.Checked)
+	require.GreaterOrEqual(t, during, int64(5), "heartbeats while one check took 1s (every 50ms)")
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'applied'`))
+}
+
 // TestRelayActivityEndsBeforeItsDeadline: a pass whose next batch's lease
 // would end within a minute of the activity's deadline (the test
 // environment's StartToClose is 10 minutes) claims nothing more and returns

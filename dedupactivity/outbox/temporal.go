@@ -81,10 +81,11 @@ func (r *Relay) Activity(ctx context.Context) (RelayResult, error) {
 	return r.runOnce(ctx, beat, sweepStop(ctx))
 }
 
-// sweepHeartbeatEvery is how often the relay activity heartbeats besides
-// after each message: one send may outlast the sweeps' HeartbeatTimeout (a
-// Lease over two minutes), which is there to find a worker that died, not
-// a slow send, which its lease bounds.
+// sweepHeartbeatEvery is how often the relay and reconcile activities
+// heartbeat besides after each message: one send or check may outlast the
+// sweeps' HeartbeatTimeout (a Lease, or an HTTPChecker's Timeout, over two
+// minutes), which is there to find a worker that died, not a slow step
+// that its lease or timeout bounds.
 const sweepHeartbeatEvery = 30 * time.Second
 
 // sweepStop is when a relay, reconcile or prune activity stops beginning
@@ -99,7 +100,9 @@ func sweepStop(ctx context.Context) time.Time {
 }
 
 // RegisterReconciler registers the reconcile workflow and rc's activity on a
-// worker; the activity runs Reconcile and returns its ReconcileReport, with
+// worker; the activity runs Reconcile, heartbeating before each check (and
+// every 30 seconds with an HTTPChecker, whose Timeout bounds a check), and
+// returns its ReconcileReport, with
 // at most 500 keys listed in each of Rejected and Unresolved (see
 // ReconcileReport.NotListed). A run that would outlast the activity's
 // StartToClose timeout (30 minutes: many slow checks) asks nothing once a
