@@ -14,9 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	"go.temporal.io/sdk/activity"
-	"go.temporal.io/sdk/interceptor"
 	"go.temporal.io/sdk/testsuite"
-	"go.temporal.io/sdk/worker"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 	"github.com/dedupactivity/dedupactivity/internal/pgtest"
@@ -710,23 +708,10 @@ func TestPruneActivityHeartbeatsDuringALongStatement(t *testing.T) {
 	d, err := dedupactivity.New(b.pool, opts)
 	require.NoError(t, err)
 	dedupactivity.SetPruneHeartbeat(d, 50*time.Millisecond)
-	var s testsuite.WorkflowTestSuite
-	env := s.NewTestActivityEnvironment()
-	// Counted as the activity calls RecordHeartbeat: the SDK then sends at
-	// most one per throttle interval (0.8 of the heartbeat timeout), which
-	// the test environment's listener would show.
-	var beats temporaltest.HeartbeatCounter
-	env.SetWorkerOptions(worker.Options{Interceptors: []interceptor.WorkerInterceptor{&beats}})
-	dedupactivity.RegisterPruner(activityRegistry{env: env}, d)
-	done := make(chan error, 1)
-	var res dedupactivity.PruneResult
-	go func() {
-		val, err := env.ExecuteActivity(dedupactivity.PruneActivityName(d))
-		if err == nil {
-			err = val.Get(&res)
-		}
-		done <- err
-	}()
+	// Counted as the activity calls RecordHeartbeat (see HeartbeatCounter).
+	beats, wait := temporaltest.RunActivity(func(env *testsuite.TestActivityEnvironment) {
+		dedupactivity.RegisterPruner(activityRegistry{env: env}, d)
+	}, dedupactivity.PruneActivityName(d))
 	require.Eventually(t, func() bool {
 		return b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%`+partitionName(past)+`%'`) == 1
 	}, 10*time.Second, 10*time.Millisecond, "the read of the locked partition waits")
@@ -734,12 +719,8 @@ func TestPruneActivityHeartbeatsDuringALongStatement(t *testing.T) {
 	time.Sleep(time.Second)
 	during := beats.Count() - before
 	require.NoError(t, holder.Rollback(ctx))
-	select {
-	case err := <-done:
-		require.NoError(t, err)
-	case <-time.After(30 * time.Second):
-		t.Fatal("the prune activity did not end")
-	}
+	var res dedupactivity.PruneResult
+	require.NoError(t, wait(&res), "the prune activity ends")
 	require.GreaterOrEqual(t, during, int64(5), "heartbeats while one statement waited 1s (every 50ms)")
 	require.Equal(t, int64(1), res.Deleted, "the partition, dropped once free")
 }

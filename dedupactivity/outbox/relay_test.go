@@ -28,9 +28,7 @@ import (
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.temporal.io/sdk/activity"
-	"go.temporal.io/sdk/interceptor"
 	"go.temporal.io/sdk/testsuite"
-	"go.temporal.io/sdk/worker"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity/outbox"
 	"github.com/dedupactivity/dedupactivity/internal/pgtest"
@@ -666,26 +664,16 @@ func TestRelayActivityHeartbeatsDuringALongSend(t *testing.T) {
 	b.placeN(t, 1)
 	r := b.relay(t, dest, outbox.RelayConfig{})
 	outbox.SetRelayHeartbeat(r, 50*time.Millisecond)
-	var suite testsuite.WorkflowTestSuite
-	env := suite.NewTestActivityEnvironment()
-	var beats temporaltest.HeartbeatCounter
-	env.SetWorkerOptions(worker.Options{Interceptors: []interceptor.WorkerInterceptor{&beats}})
-	env.RegisterActivityWithOptions(r.Activity, activityNamed(outbox.RelayActivityName(r)))
-	done := make(chan outbox.RelayResult, 1)
-	go func() {
-		val, err := env.ExecuteActivity(outbox.RelayActivityName(r))
-		var res outbox.RelayResult
-		if err == nil {
-			err = val.Get(&res)
-		}
-		assert.NoError(t, err)
-		done <- res
-	}()
+	beats, wait := temporaltest.RunActivity(func(env *testsuite.TestActivityEnvironment) {
+		env.RegisterActivityWithOptions(r.Activity, activityNamed(outbox.RelayActivityName(r)))
+	}, outbox.RelayActivityName(r))
 	<-sending
 	before := beats.Count()
 	time.Sleep(700 * time.Millisecond)
 	during := beats.Count() - before
-	require.Equal(t, outbox.RelayResult{Delivered: 1}, <-done)
+	var res outbox.RelayResult
+	require.NoError(t, wait(&res))
+	require.Equal(t, outbox.RelayResult{Delivered: 1}, res)
 	require.GreaterOrEqual(t, during, int64(5), "heartbeats while one send took 1s (every 50ms)")
 	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'sent'`))
 }
@@ -716,26 +704,15 @@ func TestReconcileActivityHeartbeatsDuringALongCheck(t *testing.T) {
 		Checker: outbox.HTTPChecker{URL: outbox.StatusURL(map[string]string{"receipts": status.URL})}})
 	require.NoError(t, err)
 	outbox.SetReconcileHeartbeat(rc, 50*time.Millisecond)
-	var suite testsuite.WorkflowTestSuite
-	env := suite.NewTestActivityEnvironment()
-	var beats temporaltest.HeartbeatCounter
-	env.SetWorkerOptions(worker.Options{Interceptors: []interceptor.WorkerInterceptor{&beats}})
-	env.RegisterActivityWithOptions(outbox.ReconcileActivity(rc), activityNamed(outbox.ReconcileActivityName(rc)))
-	done := make(chan outbox.ReconcileReport, 1)
-	go func() {
-		val, err := env.ExecuteActivity(outbox.ReconcileActivityName(rc))
-		var rep outbox.ReconcileReport
-		if err == nil {
-			err = val.Get(&rep)
-		}
-		assert.NoError(t, err)
-		done <- rep
-	}()
+	beats, wait := temporaltest.RunActivity(func(env *testsuite.TestActivityEnvironment) {
+		env.RegisterActivityWithOptions(outbox.ReconcileActivity(rc), activityNamed(outbox.ReconcileActivityName(rc)))
+	}, outbox.ReconcileActivityName(rc))
 	<-checking
 	before := beats.Count()
 	time.Sleep(700 * time.Millisecond)
 	during := beats.Count() - before
-	rep := <-done
+	var rep outbox.ReconcileReport
+	require.NoError(t, wait(&rep))
 	require.Equal(t, 1, rep.Checked)
 	require.GreaterOrEqual(t, during, int64(5), "heartbeats while one check took 1s (every 50ms)")
 	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'applied'`))

@@ -2,9 +2,14 @@ package temporaltest
 
 import (
 	"context"
+	"fmt"
 	"sync/atomic"
+	"time"
 
+	"go.temporal.io/sdk/converter"
 	"go.temporal.io/sdk/interceptor"
+	"go.temporal.io/sdk/testsuite"
+	"go.temporal.io/sdk/worker"
 )
 
 // HeartbeatCounter is a worker interceptor (worker.Options.Interceptors)
@@ -41,4 +46,36 @@ type heartbeatOutbound struct {
 func (h *heartbeatOutbound) RecordHeartbeat(ctx context.Context, details ...any) {
 	h.n.Add(1)
 	h.Next.RecordHeartbeat(ctx, details...)
+}
+
+// RunActivity runs the activity that register registers as name in a new
+// test activity environment, counting its heartbeats, and returns at once:
+// beats counts them as it runs; wait waits (30s at most) for the activity
+// to end and decodes its result into out.
+func RunActivity(register func(*testsuite.TestActivityEnvironment), name string) (beats *HeartbeatCounter, wait func(out any) error) {
+	var suite testsuite.WorkflowTestSuite
+	env := suite.NewTestActivityEnvironment()
+	beats = &HeartbeatCounter{}
+	env.SetWorkerOptions(worker.Options{Interceptors: []interceptor.WorkerInterceptor{beats}})
+	register(env)
+	type ended struct {
+		val converter.EncodedValue
+		err error
+	}
+	done := make(chan ended, 1)
+	go func() {
+		val, err := env.ExecuteActivity(name)
+		done <- ended{val, err}
+	}()
+	return beats, func(out any) error {
+		select {
+		case e := <-done:
+			if e.err != nil {
+				return e.err
+			}
+			return e.val.Get(out)
+		case <-time.After(30 * time.Second):
+			return fmt.Errorf("activity %s did not end within 30s", name)
+		}
+	}
 }
