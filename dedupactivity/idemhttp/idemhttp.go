@@ -336,10 +336,7 @@ func (resp response) stored(names []string, outer http.Header) response {
 	h := http.Header{}
 	for _, n := range append([]string{"Trailer", "Content-Length"}, names...) {
 		for k, v := range resp.Header {
-			if ov, ok := outer[k]; ok && slices.Equal(ov, v) {
-				continue
-			}
-			if strings.EqualFold(k, n) {
+			if ov, ok := outer[k]; strings.EqualFold(k, n) && !(ok && slices.Equal(ov, v)) {
 				h[k] = v
 			}
 		}
