@@ -59,6 +59,11 @@
 //     middleware, nor are http.ResponseController's deadlines and full
 //     duplex (ErrNotSupported), and informational 1xx answers are dropped
 //     (101 Switching Protocols too, which needs Hijack).
+//   - A replay is the stored response whatever the retry's Accept or
+//     Accept-Encoding says. Put a compressing (or content-negotiating)
+//     middleware outside this one, where it encodes each answer for its
+//     own request; inside, a gzip body stored for one client would be
+//     replayed to another that did not ask for it.
 //   - A stored 3xx or 4xx commits the handler's writes too, while Applied
 //     reports the key refused: a handler should write only when it answers
 //     2xx.
