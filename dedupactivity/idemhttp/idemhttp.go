@@ -36,6 +36,10 @@
 //     transaction (Tx returns false), or refused with 400 when
 //     Options.RequireKey is set. One that carries two different keys (two
 //     header lines) is refused with 400; nothing runs.
+//   - A keyed request whose body cannot be read gets 400 when it is
+//     malformed, 413 over Options.MaxBodyBytes, and 408 when the server
+//     stopped waiting for it (its ReadTimeout), which a client retries;
+//     nothing runs.
 //
 // A key is the header's value without the spaces and tabs around it, as
 // HTTP defines a field's value (net/http trims them over HTTP/1.1 only), at
@@ -86,7 +90,9 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
+	"os"
 	"slices"
 	"strings"
 	"time"
@@ -503,6 +509,11 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 			// http.MaxBytesHandler around the middleware: the same 413.
 			writeError(w, http.StatusRequestEntityTooLarge, fmt.Sprintf("body larger than %d bytes", tooLarge.Limit))
 			return
+		case isTimeout(err):
+			// The server's ReadTimeout, say: the client may send again
+			// (a 400 would tell it the request is refused for good).
+			writeError(w, http.StatusRequestTimeout, "reading body: "+err.Error())
+			return
 		case err != nil:
 			writeError(w, http.StatusBadRequest, "reading body: "+err.Error())
 			return
@@ -778,6 +789,13 @@ func (r *recorder) trailers() http.Header {
 		return nil
 	}
 	return t
+}
+
+// isTimeout reports whether err is a read that ran out of time (a
+// deadline on the connection).
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.Is(err, os.ErrDeadlineExceeded) || errors.As(err, &ne) && ne.Timeout()
 }
 
 // writeFirst sends the response of the handler that ran here, whose

@@ -1397,3 +1397,42 @@ func TestKeyOnSeveralHeaderLines(t *testing.T) {
 	require.Equal(t, 2, b.receipts(t), "k and a, once each")
 	require.Equal(t, int64(2), b.runs.Load())
 }
+
+// TestBodyReadTimeoutIs408: a body the server stopped waiting for (its
+// ReadTimeout) gets 408, which a client retries (the outbox's HTTPSender
+// among them), not the 400 of a malformed body, which it takes as refused
+// for good; nothing runs either way.
+func TestBodyReadTimeoutIs408(t *testing.T) {
+	t.Parallel()
+	_, m := newMiddleware(t, idemhttp.Options{})
+	var runs atomic.Int64
+	srv := httptest.NewUnstartedServer(m.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		runs.Add(1)
+		w.WriteHeader(http.StatusCreated)
+	})))
+	srv.Config.ReadTimeout = 300 * time.Millisecond
+	srv.Start()
+	defer srv.Close()
+
+	send := func(t *testing.T, request string) int {
+		conn, err := net.Dial("tcp", srv.Listener.Addr().String())
+		require.NoError(t, err)
+		defer conn.Close()
+		_, err = io.WriteString(conn, request)
+		require.NoError(t, err)
+		require.NoError(t, conn.SetReadDeadline(time.Now().Add(10*time.Second)))
+		resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+		require.NoError(t, err)
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	head := "POST / HTTP/1.1\r\nHost: x\r\nIdempotency-Key: k\r\n"
+	t.Run("Stalled", func(t *testing.T) {
+		// Half the body, then nothing until the server times the read out.
+		assert.Equal(t, http.StatusRequestTimeout, send(t, head+"Content-Length: 10\r\n\r\nxxxxx"))
+	})
+	t.Run("Malformed", func(t *testing.T) {
+		assert.Equal(t, http.StatusBadRequest, send(t, head+"Transfer-Encoding: chunked\r\n\r\nzz\r\nxx\r\n0\r\n\r\n"))
+	})
+	assert.Zero(t, runs.Load())
+}
