@@ -65,6 +65,8 @@ type HTTPChecker struct {
 	// Timeout bounds each check, response included, whatever Client: a
 	// status endpoint that never answers is then reported (unknown) and
 	// asked last in later runs, instead of holding the run.
+	// RegisterReconciler takes a Timeout of at most 28 minutes (see
+	// there); Reconcile takes any.
 	//
 	// Defaults to DefaultHTTPTimeout (10s).
 	Timeout time.Duration

@@ -52,6 +52,8 @@ type RelayConfig struct {
 	// back the messages left with under a quarter of it, so no two relays
 	// send one message at once; make it a few times the Sender's own
 	// timeout (HTTPSenderConfig.Timeout) so sends are not cut short.
+	// RegisterRelay takes a Lease of at most 28 minutes (see there); Run
+	// and RunOnce take any.
 	//
 	// Defaults to DefaultLease (30s).
 	Lease time.Duration

@@ -61,10 +61,18 @@ func (rc *Reconciler) reconcileActivityName() string {
 // beside Run loops as a sweeper.
 //
 // It panics if relay was not made by NewRelay, as a worker's registration
-// does on a bad activity.
+// does on a bad activity, and if its Lease is over 28 minutes: the
+// StartToClose less its last minute, and less a minute for the pass to
+// reach its first claim. A longer Lease (29 minutes or more) would have
+// every run claim nothing and return OutOfTime, for ever. Run loops outside
+// Temporal take any Lease.
 func RegisterRelay(r worker.Registry, relay *Relay) {
 	if !relay.made() {
 		panic("outbox: RegisterRelay needs a Relay made by NewRelay")
+	}
+	if relay.cfg.Lease > maxSweepStep {
+		panic(fmt.Sprintf("outbox: RegisterRelay needs a Relay whose Lease is at most %s, got %s: the relay activity (StartToClose %s) claims nothing in its last minute and one Lease, so every run would claim nothing",
+			maxSweepStep, relay.cfg.Lease, sweepStartToClose))
 	}
 	// The same function for every outbox: registering it again is not a
 	// conflict.
@@ -88,6 +96,20 @@ func (r *Relay) Activity(ctx context.Context) (RelayResult, error) {
 // that its lease or timeout bounds.
 const sweepHeartbeatEvery = 30 * time.Second
 
+// The sweep activities' timeouts (withSweepOptions), the time they keep
+// at the end of their StartToClose (sweepStop), and the longest step (a
+// relay's Lease, an HTTPChecker's Timeout) that RegisterRelay and
+// RegisterReconciler accept: one that the activity can still begin, its
+// end before the stop, allowing a minute for the run to reach it (its
+// first statements). A step of the StartToClose less the stop's minute, or
+// more, is never begun: every run would do nothing and return OutOfTime.
+const (
+	sweepStartToClose = 30 * time.Minute
+	sweepHeartbeat    = 2 * time.Minute
+	sweepStopBefore   = time.Minute
+	maxSweepStep      = sweepStartToClose - sweepStopBefore - time.Minute
+)
+
 // sweepStop is when a relay, reconcile or prune activity stops beginning
 // work: a minute before its deadline, to give back what it leased, mark
 // what it checked, and report. Zero without a deadline.
@@ -96,7 +118,7 @@ func sweepStop(ctx context.Context) time.Time {
 	if deadline.IsZero() {
 		return time.Time{}
 	}
-	return deadline.Add(-time.Minute)
+	return deadline.Add(-sweepStopBefore)
 }
 
 // RegisterReconciler registers the reconcile workflow and rc's activity on a
@@ -109,10 +131,19 @@ func sweepStop(ctx context.Context) time.Time {
 // check begun could end within a minute of it (an HTTPChecker's checks
 // take at most its Timeout), and returns with OutOfTime set.
 //
-// It panics if rc was not made by NewReconciler.
+// It panics if rc was not made by NewReconciler, and if its Checker is an
+// HTTPChecker whose Timeout is over 28 minutes: the StartToClose less its
+// last minute, and less a minute for the run to reach its first check. A
+// longer Timeout (29 minutes or more) would have every run ask nothing and
+// return OutOfTime, for ever. Reconcile called outside Temporal takes any
+// Timeout.
 func RegisterReconciler(r worker.Registry, rc *Reconciler) {
 	if !rc.made() {
 		panic("outbox: RegisterReconciler needs a Reconciler made by NewReconciler")
+	}
+	if rc.checkTime > maxSweepStep {
+		panic(fmt.Sprintf("outbox: RegisterReconciler needs an HTTPChecker whose Timeout is at most %s, got %s: the reconcile activity (StartToClose %s) asks nothing once a check could end within a minute of its deadline, so every run would ask nothing",
+			maxSweepStep, rc.checkTime, sweepStartToClose))
 	}
 	r.RegisterWorkflowWithOptions(sweep[ReconcileReport], workflow.RegisterOptions{Name: reconcileWorkflowName, DisableAlreadyRegisteredCheck: true})
 	r.RegisterActivityWithOptions(rc.reconcileActivity, activity.RegisterOptions{Name: rc.reconcileActivityName()})
@@ -159,8 +190,8 @@ func sweep[R any](ctx workflow.Context, activityName string) (R, error) {
 
 func withSweepOptions(ctx workflow.Context) workflow.Context {
 	return workflow.WithActivityOptions(ctx, workflow.ActivityOptions{
-		StartToCloseTimeout: 30 * time.Minute,
-		HeartbeatTimeout:    2 * time.Minute,
+		StartToCloseTimeout: sweepStartToClose,
+		HeartbeatTimeout:    sweepHeartbeat,
 		RetryPolicy:         &temporal.RetryPolicy{MaximumAttempts: 3},
 	})
 }
