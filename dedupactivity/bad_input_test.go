@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"strings"
 	"testing"
 	"time"
@@ -272,7 +273,8 @@ func (s *createdSchedules) Create(_ context.Context, o client.ScheduleOptions) (
 
 // TestPruneScheduleIntervalChecked: EnsurePruneSchedule refuses, before it
 // calls Temporal, an interval under a minute and, in the partitioned
-// layout, one that leaves no second run within the partitions made ahead.
+// layout, one that leaves no second run within the partitions made ahead,
+// up to the longest time.Duration.
 func TestPruneScheduleIntervalChecked(t *testing.T) {
 	t.Parallel()
 	b := setup(t, dedupactivity.Options{})
@@ -288,6 +290,10 @@ func TestPruneScheduleIntervalChecked(t *testing.T) {
 		{dedupactivity.Options{PartitionInterval: time.Hour}, 91 * time.Minute, false},
 		{dedupactivity.Options{PartitionInterval: time.Hour, PartitionsAhead: 48}, 24 * time.Hour, true},
 		{dedupactivity.Options{PartitionInterval: time.Hour, PartitionsAhead: 1}, time.Hour, false},
+		// Past 146 years, doubling the interval wrapped to a negative
+		// time.Duration, taken as within the partitions ahead.
+		{dedupactivity.Options{PartitionInterval: time.Hour}, 150 * 365 * 24 * time.Hour, false},
+		{dedupactivity.Options{PartitionInterval: time.Hour}, math.MaxInt64, false},
 	} {
 		c.opts.Table = "unmigrated"
 		d, err := dedupactivity.New(b.pool, c.opts)

@@ -175,7 +175,9 @@ func pruneWorkflow(ctx workflow.Context, activityName string) (PruneResult, erro
 // two runs happen within the partitions made ahead (2 x interval <=
 // PartitionsAhead x PartitionInterval), so that one run that cannot make
 // them (see Prune) is made up for before deliveries reach a range without
-// its partition, which sends them to the default partition for good.
+// its partition, which sends them to the default partition for good; a
+// longer one, however long, is refused with an error wrapping
+// ErrInvalidOptions.
 func EnsurePruneSchedule(ctx context.Context, c client.Client, d *Deduper, scheduleID, taskQueue string, interval time.Duration) error {
 	switch {
 	case !d.made():
@@ -186,7 +188,9 @@ func EnsurePruneSchedule(ctx context.Context, c client.Client, d *Deduper, sched
 	if interval < time.Minute {
 		return fmt.Errorf("%w: prune interval must be at least 1m, got %s", ErrInvalidOptions, interval)
 	}
-	if ahead := time.Duration(d.opts.PartitionsAhead) * d.opts.PartitionInterval; ahead > 0 && 2*interval > ahead {
+	// interval > ahead/2, not 2*interval > ahead: doubled, an interval past
+	// 146 years wraps to a negative time.Duration, which passed.
+	if ahead := time.Duration(d.opts.PartitionsAhead) * d.opts.PartitionInterval; ahead > 0 && interval > ahead/2 {
 		return fmt.Errorf("%w: prune interval %s is more than half of what the partitions made ahead cover (PartitionsAhead %d x PartitionInterval %s): a run that cannot make them would leave deliveries without their partition; prune at least every %s, or raise PartitionsAhead",
 			ErrInvalidOptions, interval, d.opts.PartitionsAhead, d.opts.PartitionInterval, ahead/2)
 	}
