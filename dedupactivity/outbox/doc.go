@@ -32,8 +32,8 @@
 // that dies between send and acknowledgement leaves a lease that expires,
 // and the message is sent again with the same key. Failed
 // sends back off exponentially; a permanent failure (ErrPermanent) or
-// RelayConfig.MaxAttempts failures make the message dead, with its last
-// error.
+// RelayConfig.MaxAttempts failures (stalled sends counted, sends given back
+// by a stopping relay not) make the message dead, with its last error.
 //
 // # Reconciler
 //

@@ -67,6 +67,21 @@ type RelayConfig struct {
 	// recorded failure resets that count, a re-queue by the reconciler does
 	// not.
 	//
+	// It bounds the failed sends, not all sends. Counted are the sends that
+	// failed and those that stalled (began and recorded no outcome, their
+	// lease taken over by another relay), since the message was enqueued
+	// or last re-queued by the reconciler; the failure that brings the
+	// count to MaxAttempts, or past it, makes the message dead. A stall is
+	// counted, as the message may be what stopped its relay, but makes it
+	// dead only as the MaxAttempts-th in a row: a message whose last try
+	// stalled is sent again, so its failed and stalled sends number up to
+	// 2 x MaxAttempts - 1. Tries given back are not counted at all: a send
+	// cut off by a relay that stops (its context cancelled), and a claim
+	// whose send never began (its lease taken over first, or the message
+	// given back unsent). A relay stopping is not the destination failing,
+	// so a shutdown on the last try does not make a dead letter; the send
+	// again carries the same key, so the destination applies it once.
+	//
 	// Defaults to DefaultMaxAttempts (10).
 	MaxAttempts int
 

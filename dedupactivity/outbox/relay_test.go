@@ -1248,3 +1248,99 @@ func TestRecordedFailureResetsTheStalls(t *testing.T) {
 	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'sent' AND stalls = 1`))
 	require.Equal(t, 2, dest.count(keys[0]), "sent again after its one stall")
 }
+
+// TestMaxAttemptsBoundsFailedSendsNotAllSends pins RelayConfig.MaxAttempts:
+// it counts the sends that failed and those that stalled (began and
+// recorded no outcome, their lease taken over), and makes the message dead
+// at the failure that brings that count to MaxAttempts or past it; a send
+// cut off by a stopping relay (given back) is not counted. So, with
+// MaxAttempts 2, a message given back once, then failing, stalling and
+// failing, is sent four times and made dead at its second failure; with
+// MaxAttempts 3, failing, stalling and failing makes it dead at its second
+// failure, the stall counted; with MaxAttempts 2, failing and stalling
+// twice, it is sent three times and made dead, unsent, at the next claim.
+// The Sender counts the sends; the row is read by SQL.
+func TestMaxAttemptsBoundsFailedSendsNotAllSends(t *testing.T) {
+	t.Parallel()
+	const (
+		givenBack = "given back"
+		fails     = "fails"
+		stalls    = "stalls"
+	)
+	for _, c := range []struct {
+		maxAttempts int
+		script      []string
+	}{
+		{2, []string{givenBack, fails, stalls, fails}},
+		{3, []string{fails, stalls, fails}},
+		{2, []string{fails, stalls, stalls}}, // 2 x MaxAttempts - 1 sends; the next claim makes it dead unsent
+	} {
+		b := setup(t)
+		b.placeN(t, 1)
+		var sends atomic.Int64
+		sending := make(chan struct{}, 1)
+		sender := outbox.SenderFunc(func(ctx context.Context, d outbox.Delivery) error {
+			n := sends.Add(1)
+			switch c.script[n-1] {
+			case givenBack:
+				sending <- struct{}{}
+				<-ctx.Done()
+				return ctx.Err()
+			case stalls:
+				runtime.Goexit() // the process stops: no outcome, no release
+			}
+			return fmt.Errorf("send %d refused", n)
+		})
+		r := b.relay(t, nil, outbox.RelayConfig{Sender: sender, MaxAttempts: c.maxAttempts, Lease: 200 * time.Millisecond,
+			MinBackoff: time.Millisecond, MaxBackoff: time.Millisecond})
+		run := func(ctx context.Context) (res outbox.RelayResult, err error) {
+			done := make(chan struct{})
+			go func() {
+				defer close(done)
+				res, err = r.RunOnce(ctx)
+			}()
+			<-done
+			return res, err
+		}
+		var res outbox.RelayResult
+		for i, step := range c.script {
+			switch step {
+			case givenBack:
+				ctx, cancel := context.WithCancel(context.Background())
+				go func() { <-sending; cancel() }()
+				_, err := run(ctx)
+				require.ErrorIs(t, err, context.Canceled)
+				require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'pending' AND tries = 0 AND NOT in_send`),
+					"%v: given back, its try not counted", c.script)
+			case stalls:
+				require.Eventually(t, func() bool { // once due, after the backoff
+					_, _ = run(context.Background())
+					return sends.Load() == int64(i+1)
+				}, 10*time.Second, 10*time.Millisecond)
+				require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'sending' AND in_send`), "%v: stalled", c.script)
+			case fails:
+				require.Eventually(t, func() bool { // once due: after the backoff, or the stalled send's lease
+					var err error
+					res, err = run(context.Background())
+					require.NoError(t, err)
+					return res != (outbox.RelayResult{})
+				}, 10*time.Second, 10*time.Millisecond)
+				require.Equal(t, int64(i+1), sends.Load(), "%v: sent", c.script)
+			}
+		}
+		lastError := fmt.Sprintf("%%send %d refused%%", len(c.script))
+		if c.script[len(c.script)-1] == stalls {
+			require.Eventually(t, func() bool { // once the stalled send's lease is over
+				var err error
+				res, err = run(context.Background())
+				require.NoError(t, err)
+				return res != (outbox.RelayResult{})
+			}, 10*time.Second, 10*time.Millisecond)
+			lastError = "%2 sends of it in a row began and never recorded an outcome%"
+		}
+		require.Equal(t, outbox.RelayResult{Dead: 1}, res, "%v: dead", c.script)
+		require.Equal(t, int64(len(c.script)), sends.Load(), "%v: not sent again", c.script)
+		require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox WHERE state = 'dead' AND last_error LIKE $1`, lastError),
+			"%v: made dead by %s", c.script, lastError)
+	}
+}
