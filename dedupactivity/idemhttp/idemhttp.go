@@ -612,6 +612,7 @@ type RejectedError struct {
 	Status int
 }
 
+// Error says which key (and caller) was refused, and with what status.
 func (e *RejectedError) Error() string {
 	if e.Caller != "" {
 		return fmt.Sprintf("idemhttp: the request of caller %q with key %q was answered %d, not applied", e.Caller, e.Key, e.Status)

@@ -292,6 +292,7 @@ type StatusError struct {
 
 func (e *StatusError) retryAfter() time.Duration { return e.RetryAfter }
 
+// Error gives the status, its text and the start of the body.
 func (e *StatusError) Error() string {
 	return fmt.Sprintf("outbox: destination answered %d %s: %s", e.StatusCode, http.StatusText(e.StatusCode), e.Body)
 }
