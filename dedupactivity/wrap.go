@@ -36,8 +36,11 @@ import (
 // pg_advisory_unlock too (also when a concurrent attempt committed after
 // the first statement, found by a later call's claim): take transaction
 // locks (pg_advisory_xact_lock), which the rollback releases, not session
-// ones. Do not call external systems (email, payments, HTTP) from it; see
-// the package documentation.
+// ones. As with any pgx.Tx, calls on tx from a goroutine the effect
+// started must end before the effect returns, with that goroutine waited
+// for (a call that outlives the effect races with the claim's commit or
+// rollback on the connection). Do not call external systems (email,
+// payments, HTTP) from it; see the package documentation.
 type EffectFunc[In, Out any] func(ctx context.Context, tx pgx.Tx, in In) (Out, error)
 
 // WrapOption configures one wrapped activity.

@@ -63,6 +63,14 @@
 //     middleware, nor are http.ResponseController's deadlines and full
 //     duplex (ErrNotSupported), and informational 1xx answers are dropped
 //     (101 Switching Protocols too, which needs Hijack).
+//   - Put an http.TimeoutHandler around the middleware, not inside it.
+//     Around it, a request that runs out of time gets 503 and its writes
+//     roll back with its key (the claim runs under the request's context,
+//     which the timeout cancels), so the client's retry runs the handler
+//     again (TestTimeoutHandlerOutside). Inside it, the handler goes on
+//     in a goroutine of its own after the 503 while the transaction is
+//     rolled back: its calls on the Tx race with that rollback, as calls
+//     on one pgx.Tx from two goroutines do (the race detector reports it).
 //   - A replay is the stored response whatever the retry's Accept or
 //     Accept-Encoding says. Put a compressing (or content-negotiating)
 //     middleware outside this one, where it encodes each answer for its

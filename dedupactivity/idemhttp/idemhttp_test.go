@@ -1436,3 +1436,42 @@ func TestBodyReadTimeoutIs408(t *testing.T) {
 	})
 	assert.Zero(t, runs.Load())
 }
+
+// TestTimeoutHandlerOutside: with an http.TimeoutHandler around the
+// middleware, a slow request's client gets the 503 and the request's
+// context is cancelled, so whatever the handler writes after is rolled
+// back with the key (the claim runs under that context): the client's
+// retry with the key runs the handler again, and its effect is applied
+// once.
+func TestTimeoutHandlerOutside(t *testing.T) {
+	t.Parallel()
+	s, m := newMiddleware(t, idemhttp.Options{InFlightWait: 5 * time.Second})
+	proceed := make(chan struct{})
+	var runs atomic.Int64
+	srv := httptest.NewServer(http.TimeoutHandler(m.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		tx, ok := idemhttp.Tx(r.Context())
+		if !ok {
+			http.Error(w, "no key", http.StatusBadRequest)
+			return
+		}
+		if runs.Add(1) == 1 {
+			<-proceed // past the timeout
+		}
+		if _, err := tx.Exec(context.Background(), `INSERT INTO receipt (body) VALUES ('x')`); err != nil {
+			http.Error(w, err.Error(), http.StatusInternalServerError)
+			return
+		}
+		w.WriteHeader(http.StatusCreated)
+	})), 200*time.Millisecond, "too slow"))
+	defer srv.Close()
+	b := &testBundle{schema: s, m: m, srv: srv}
+
+	first := b.post(t, "/", "k", "x")
+	require.Equal(t, http.StatusServiceUnavailable, first.status)
+	close(proceed)
+	second := b.post(t, "/", "k", "x") // waits for the first, still running, to end
+	require.Equal(t, http.StatusCreated, second.status)
+	require.Empty(t, second.header.Get("Idempotent-Replayed"), "the timed-out request stored nothing")
+	require.EqualValues(t, 2, runs.Load())
+	require.Equal(t, 1, b.receipts(t), "the timed-out request's insert rolled back")
+}
