@@ -100,7 +100,6 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"os"
 	"slices"
 	"strings"
 	"time"
@@ -801,10 +800,10 @@ func (r *recorder) trailers() http.Header {
 }
 
 // isTimeout reports whether err is a read that ran out of time (a
-// deadline on the connection).
+// deadline on the connection: os.ErrDeadlineExceeded is such a net.Error).
 func isTimeout(err error) bool {
 	var ne net.Error
-	return errors.Is(err, os.ErrDeadlineExceeded) || errors.As(err, &ne) && ne.Timeout()
+	return errors.As(err, &ne) && ne.Timeout()
 }
 
 // writeFirst sends the response of the handler that ran here, whose
