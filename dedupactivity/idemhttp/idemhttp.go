@@ -63,14 +63,17 @@
 //     middleware, nor are http.ResponseController's deadlines and full
 //     duplex (ErrNotSupported), and informational 1xx answers are dropped
 //     (101 Switching Protocols too, which needs Hijack).
-//   - Put an http.TimeoutHandler around the middleware, not inside it.
-//     Around it, a request that runs out of time gets 503 and its writes
-//     roll back with its key (the claim runs under the request's context,
-//     which the timeout cancels), so the client's retry runs the handler
-//     again (TestTimeoutHandlerOutside). Inside it, the handler goes on
-//     in a goroutine of its own after the 503 while the transaction is
-//     rolled back: its calls on the Tx race with that rollback, as calls
-//     on one pgx.Tx from two goroutines do (the race detector reports it).
+//   - An http.TimeoutHandler may go around the middleware or inside it.
+//     Either way a request that runs out of time gets 503 and its writes
+//     roll back with its key, so the client's retry runs the handler
+//     again. Around it, the timeout cancels the request's context, which
+//     the claim runs under (TestTimeoutHandlerOutside). Inside it, the
+//     503 is a status that is not stored; the handler goes on in a
+//     goroutine of its own, and what it calls on the Tx from then on
+//     fails with pgx.ErrTxClosed. A call in flight at the timeout is
+//     waited for before the rollback (TestTimeoutHandlerInside): made
+//     with the request's context, it is cancelled with it; made with
+//     another, it holds the 503 until it ends.
 //   - A replay is the stored response whatever the retry's Accept or
 //     Accept-Encoding says. Put a compressing (or content-negotiating)
 //     middleware outside this one, where it encodes each answer for its
@@ -300,6 +303,14 @@ type txKey struct{}
 // Tx returns the transaction of the request being handled: the handler
 // must do its database writes through it so they commit with the key. It
 // returns false for a request without a key.
+//
+// The Tx is closed when the handler returns: a goroutine of the handler
+// that goes on gets pgx.ErrTxClosed from it (and from its Rows, Row and
+// BatchResults), and one of its calls in flight then is waited for. Two
+// calls at once, from two goroutines or from a callback of a Batch or a
+// CopyFromSource, are refused as pgx refuses a busy connection ("conn
+// busy"). What LargeObjects and Conn return is the connection's own, which
+// the Tx cannot close: use it only while the handler runs.
 func Tx(ctx context.Context) (pgx.Tx, bool) {
 	tx, ok := ctx.Value(txKey{}).(pgx.Tx)
 	return tx, ok
@@ -539,10 +550,15 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 				// around this one set, for the handler to read or add to.
 				outer := w.Header().Clone()
 				rec := &recorder{header: outer.Clone(), limit: m.maxBody}
-				r2 := r.WithContext(context.WithValue(ctx, txKey{}, tx))
+				g := &guard{}
+				defer g.close() // on a panic too
+				r2 := r.WithContext(context.WithValue(ctx, txKey{}, guardedTx{g: g, tx: tx}))
 				r2.Body = io.NopCloser(bytes.NewReader(body))
 				r2.ContentLength = int64(len(body))
 				next.ServeHTTP(rec, r2)
+				// The handler has returned, but a goroutine of it may go on
+				// (see guard): from here it is shut out of the Tx.
+				g.close()
 				first = rec.response()
 				if rec.over {
 					return response{}, fmt.Errorf("%w: the response body is over %d bytes", dedupactivity.ErrResultTooLarge, rec.limit)

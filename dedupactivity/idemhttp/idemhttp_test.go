@@ -21,6 +21,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -1474,4 +1475,113 @@ func TestTimeoutHandlerOutside(t *testing.T) {
 	require.Empty(t, second.header.Get("Idempotent-Replayed"), "the timed-out request stored nothing")
 	require.EqualValues(t, 2, runs.Load())
 	require.Equal(t, 1, b.receipts(t), "the timed-out request's insert rolled back")
+}
+
+// TestTimeoutHandlerInside: with an http.TimeoutHandler inside the
+// middleware, the client gets its 503 while the handler goes on in a
+// goroutine of its own. What that goroutine then calls on the request's Tx
+// fails with pgx.ErrTxClosed, and a call in flight when the request ends is
+// waited for (the TimeoutHandler's context cancels it), instead of reaching
+// the connection while the middleware rolls it back: under the race
+// detector, either would be reported as a race. Nothing the timed-out
+// request wrote commits, and the retry with its key runs the handler again.
+func TestTimeoutHandlerInside(t *testing.T) {
+	t.Parallel()
+	const insert = `INSERT INTO receipt (body) VALUES ('x')`
+	t.Run("CallsAfterTheAnswer", func(t *testing.T) {
+		t.Parallel()
+		s, m := newMiddleware(t, idemhttp.Options{})
+		proceed := make(chan struct{})
+		late := make(chan []error, 1)
+		var runs atomic.Int64
+		srv := httptest.NewServer(m.Handler(http.TimeoutHandler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			tx, _ := idemhttp.Tx(r.Context())
+			ctx := context.Background()
+			if _, err := tx.Exec(ctx, insert); err != nil {
+				http.Error(w, err.Error(), http.StatusInternalServerError)
+				return
+			}
+			if runs.Add(1) == 1 {
+				<-proceed // the client has had its 503
+				var errs []error
+				_, err := tx.Exec(ctx, insert)
+				errs = append(errs, err)
+				_, err = tx.Query(ctx, `SELECT 1`)
+				errs = append(errs, err)
+				var n int
+				errs = append(errs, tx.QueryRow(ctx, `SELECT 1`).Scan(&n))
+				errs = append(errs, tx.SendBatch(ctx, &pgx.Batch{QueuedQueries: []*pgx.QueuedQuery{{SQL: insert}}}).Close())
+				_, err = tx.Begin(ctx)
+				errs = append(errs, err)
+				late <- errs
+				return
+			}
+			w.WriteHeader(http.StatusCreated)
+		}), 200*time.Millisecond, "too slow")))
+		defer srv.Close()
+		b := &testBundle{schema: s, m: m, srv: srv}
+
+		require.Equal(t, http.StatusServiceUnavailable, b.post(t, "/", "k", "x").status)
+		close(proceed)
+		for i, err := range <-late {
+			require.ErrorIs(t, err, pgx.ErrTxClosed, "call %d after the answer", i)
+		}
+		require.Zero(t, b.receipts(t), "the timed-out request's insert rolled back")
+		second := b.post(t, "/", "k", "x")
+		require.Equal(t, http.StatusCreated, second.status)
+		require.Empty(t, second.header.Get("Idempotent-Replayed"), "the timed-out request stored nothing")
+		require.Equal(t, 1, b.receipts(t))
+	})
+	t.Run("CallInFlight", func(t *testing.T) {
+		t.Parallel()
+		s, m := newMiddleware(t, idemhttp.Options{})
+		slept := make(chan error, 1)
+		srv := httptest.NewServer(m.Handler(http.TimeoutHandler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			tx, _ := idemhttp.Tx(r.Context())
+			if _, err := tx.Exec(r.Context(), insert); err != nil {
+				http.Error(w, err.Error(), http.StatusInternalServerError)
+				return
+			}
+			_, err := tx.Exec(r.Context(), `SELECT pg_sleep(30)`)
+			slept <- err
+		}), 200*time.Millisecond, "too slow")))
+		defer srv.Close()
+		b := &testBundle{schema: s, m: m, srv: srv}
+
+		start := time.Now()
+		require.Equal(t, http.StatusServiceUnavailable, b.post(t, "/", "k", "x").status)
+		require.Less(t, time.Since(start), 20*time.Second, "the sleep was cancelled, not waited out")
+		select {
+		case err := <-slept:
+			require.ErrorIs(t, err, context.DeadlineExceeded, "the sleep ended by the TimeoutHandler's context")
+		case <-time.After(10 * time.Second):
+			t.Fatal("the handler's statement did not end")
+		}
+		require.Zero(t, b.receipts(t))
+	})
+	t.Run("CallbackCallingTheTx", func(t *testing.T) {
+		// A call from inside another (a Batch's callback) is refused as
+		// pgx refuses a busy connection, and does not wait for it.
+		t.Parallel()
+		s, m := newMiddleware(t, idemhttp.Options{})
+		var inner error
+		srv := httptest.NewServer(m.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			tx, _ := idemhttp.Tx(r.Context())
+			batch := &pgx.Batch{}
+			batch.Queue(insert).Exec(func(pgconn.CommandTag) error {
+				_, inner = tx.Exec(r.Context(), insert)
+				return nil
+			})
+			if err := tx.SendBatch(r.Context(), batch).Close(); err != nil {
+				http.Error(w, err.Error(), http.StatusInternalServerError)
+				return
+			}
+			w.WriteHeader(http.StatusCreated)
+		})))
+		defer srv.Close()
+		b := &testBundle{schema: s, m: m, srv: srv}
+		require.Equal(t, http.StatusCreated, b.post(t, "/", "k", "x").status)
+		require.ErrorContains(t, inner, "conn busy")
+		require.Equal(t, 1, b.receipts(t))
+	})
 }

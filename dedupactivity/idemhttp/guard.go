@@ -1,0 +1,349 @@
+package idemhttp
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"sync/atomic"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
+)
+
+// errBusy is a call on the handler's Tx made while another one of its calls
+// is in flight (from another goroutine, or from a callback of that call), as
+// pgx refuses a second call on a busy connection.
+var errBusy = errors.New("idemhttp: conn busy: another call on the request's Tx is in flight")
+
+// guard stands between a handler and the Tx of its request's claim. The
+// middleware ends the transaction once the handler returns, but a handler
+// can go on after that in a goroutine of its own: behind an
+// http.TimeoutHandler inside the middleware, say, which returns its 503 and
+// leaves the handler running. The guard makes each call on the Tx (and on
+// its Rows, Row and BatchResults) hold a mutex, and close waits for the call
+// in flight and shuts out every later one with pgx.ErrTxClosed, so nothing
+// the handler does after its request's answer reaches the connection, which
+// is rolled back and back in the pool by then.
+//
+// A call takes the mutex with TryLock, not Lock: a second call while one is
+// in flight fails with errBusy, as pgx answers a busy connection, where
+// waiting would deadlock a callback of the first (a Batch's, a
+// CopyFromSource's) that calls the Tx.
+type guard struct {
+	mu     sync.Mutex
+	closed atomic.Bool
+}
+
+// enter takes the guard for one call; leave gives it back.
+func (g *guard) enter() error {
+	if g.closed.Load() {
+		return pgx.ErrTxClosed
+	}
+	if !g.mu.TryLock() {
+		if g.closed.Load() {
+			return pgx.ErrTxClosed
+		}
+		return errBusy
+	}
+	if g.closed.Load() {
+		g.mu.Unlock()
+		return pgx.ErrTxClosed
+	}
+	return nil
+}
+
+func (g *guard) leave() { g.mu.Unlock() }
+
+// close waits for the call in flight, if any, and refuses every later one.
+func (g *guard) close() {
+	g.mu.Lock()
+	g.closed.Store(true)
+	g.mu.Unlock()
+}
+
+// guardedTx is the Tx a handler gets from Tx: the claim's, or one of its
+// savepoints, behind the request's guard. LargeObjects and Conn give what
+// the claim's Tx gives, which the guard cannot stand in front of: use them
+// only while the handler runs.
+type guardedTx struct {
+	g  *guard
+	tx pgx.Tx
+}
+
+var _ pgx.Tx = guardedTx{}
+
+func (t guardedTx) Begin(ctx context.Context) (pgx.Tx, error) {
+	if err := t.g.enter(); err != nil {
+		return nil, err
+	}
+	defer t.g.leave()
+	sp, err := t.tx.Begin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return guardedTx{g: t.g, tx: sp}, nil
+}
+
+func (t guardedTx) Commit(ctx context.Context) error {
+	if err := t.g.enter(); err != nil {
+		return err
+	}
+	defer t.g.leave()
+	return t.tx.Commit(ctx)
+}
+
+func (t guardedTx) Rollback(ctx context.Context) error {
+	if err := t.g.enter(); err != nil {
+		return err
+	}
+	defer t.g.leave()
+	return t.tx.Rollback(ctx)
+}
+
+func (t guardedTx) CopyFrom(ctx context.Context, table pgx.Identifier, cols []string, src pgx.CopyFromSource) (int64, error) {
+	if err := t.g.enter(); err != nil {
+		return 0, err
+	}
+	defer t.g.leave()
+	return t.tx.CopyFrom(ctx, table, cols, src)
+}
+
+func (t guardedTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+	if err := t.g.enter(); err != nil {
+		return guardedBatch{err: err}
+	}
+	defer t.g.leave()
+	return guardedBatch{g: t.g, br: t.tx.SendBatch(ctx, b)}
+}
+
+func (t guardedTx) LargeObjects() pgx.LargeObjects {
+	if err := t.g.enter(); err != nil {
+		// pgx's zero LargeObjects, whose calls panic, as the claim's Tx
+		// gives once it has ended.
+		return pgx.LargeObjects{}
+	}
+	defer t.g.leave()
+	return t.tx.LargeObjects()
+}
+
+func (t guardedTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
+	if err := t.g.enter(); err != nil {
+		return nil, err
+	}
+	defer t.g.leave()
+	return t.tx.Prepare(ctx, name, sql)
+}
+
+func (t guardedTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	if err := t.g.enter(); err != nil {
+		return pgconn.CommandTag{}, err
+	}
+	defer t.g.leave()
+	return t.tx.Exec(ctx, sql, args...)
+}
+
+func (t guardedTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	if err := t.g.enter(); err != nil {
+		return &guardedRows{err: err}, err
+	}
+	defer t.g.leave()
+	rows, err := t.tx.Query(ctx, sql, args...)
+	return &guardedRows{g: t.g, rows: rows}, err
+}
+
+func (t guardedTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	if err := t.g.enter(); err != nil {
+		return guardedRow{err: err}
+	}
+	defer t.g.leave()
+	return guardedRow{g: t.g, row: t.tx.QueryRow(ctx, sql, args...)}
+}
+
+func (t guardedTx) Conn() *pgx.Conn {
+	if err := t.g.enter(); err != nil {
+		return nil
+	}
+	defer t.g.leave()
+	return t.tx.Conn()
+}
+
+// guardedRows are the Rows of a guardedTx's Query. Once the guard refuses a
+// call (or the Query), they are closed to the caller: Next is false, and
+// Err and Scan return the refusal.
+type guardedRows struct {
+	g    *guard
+	rows pgx.Rows
+	err  error // the guard's refusal
+}
+
+func (r *guardedRows) enter() bool {
+	if r.err != nil {
+		return false
+	}
+	if err := r.g.enter(); err != nil {
+		r.err = err
+		return false
+	}
+	return true
+}
+
+func (r *guardedRows) Close() {
+	if !r.enter() {
+		return
+	}
+	defer r.g.leave()
+	r.rows.Close()
+}
+
+func (r *guardedRows) Err() error {
+	if !r.enter() {
+		return r.err
+	}
+	defer r.g.leave()
+	return r.rows.Err()
+}
+
+func (r *guardedRows) CommandTag() pgconn.CommandTag {
+	if !r.enter() {
+		return pgconn.CommandTag{}
+	}
+	defer r.g.leave()
+	return r.rows.CommandTag()
+}
+
+func (r *guardedRows) FieldDescriptions() []pgconn.FieldDescription {
+	if !r.enter() {
+		return nil
+	}
+	defer r.g.leave()
+	return r.rows.FieldDescriptions()
+}
+
+func (r *guardedRows) Next() bool {
+	if !r.enter() {
+		return false
+	}
+	defer r.g.leave()
+	return r.rows.Next()
+}
+
+func (r *guardedRows) Scan(dest ...any) error {
+	if !r.enter() {
+		return r.err
+	}
+	defer r.g.leave()
+	return r.rows.Scan(dest...)
+}
+
+func (r *guardedRows) Values() ([]any, error) {
+	if !r.enter() {
+		return nil, r.err
+	}
+	defer r.g.leave()
+	return r.rows.Values()
+}
+
+func (r *guardedRows) RawValues() [][]byte {
+	if !r.enter() {
+		return nil
+	}
+	defer r.g.leave()
+	return r.rows.RawValues()
+}
+
+func (r *guardedRows) Conn() *pgx.Conn {
+	if !r.enter() {
+		return nil
+	}
+	defer r.g.leave()
+	return r.rows.Conn()
+}
+
+func (r *guardedRows) TypeMap() *pgtype.Map {
+	if !r.enter() {
+		return nil
+	}
+	defer r.g.leave()
+	return r.rows.TypeMap()
+}
+
+// guardedRow is the Row of a guardedTx's QueryRow: pgx reads its result in
+// Scan. Its err is the guard's refusal of the QueryRow.
+type guardedRow struct {
+	g   *guard
+	row pgx.Row
+	err error
+}
+
+func (r guardedRow) Scan(dest ...any) error {
+	if r.err != nil {
+		return r.err
+	}
+	if err := r.g.enter(); err != nil {
+		return err
+	}
+	defer r.g.leave()
+	return r.row.Scan(dest...)
+}
+
+// guardedBatch are the BatchResults of a guardedTx's SendBatch: pgx reads
+// them, and runs the queued queries' callbacks, in these calls. Its err is
+// the guard's refusal of the SendBatch.
+type guardedBatch struct {
+	g   *guard
+	br  pgx.BatchResults
+	err error
+}
+
+func (b guardedBatch) enter() error {
+	if b.err != nil {
+		return b.err
+	}
+	return b.g.enter()
+}
+
+func (b guardedBatch) Exec() (pgconn.CommandTag, error) {
+	if err := b.enter(); err != nil {
+		return pgconn.CommandTag{}, err
+	}
+	defer b.g.leave()
+	return b.br.Exec()
+}
+
+func (b guardedBatch) Query() (pgx.Rows, error) {
+	if err := b.enter(); err != nil {
+		return &guardedRows{err: err}, err
+	}
+	defer b.g.leave()
+	rows, err := b.br.Query()
+	return &guardedRows{g: b.g, rows: rows}, err
+}
+
+func (b guardedBatch) QueryRow() pgx.Row {
+	if err := b.enter(); err != nil {
+		return guardedRow{err: err}
+	}
+	defer b.g.leave()
+	return guardedRow{g: b.g, row: b.br.QueryRow()}
+}
+
+func (b guardedBatch) Close() error {
+	if err := b.enter(); err != nil {
+		return err
+	}
+	defer b.g.leave()
+	return b.br.Close()
+}
+
+// Tx is the transaction a Batch.BeginTx began, behind the guard.
+func (b guardedBatch) Tx() pgx.Tx {
+	if err := b.enter(); err != nil {
+		return nil
+	}
+	defer b.g.leave()
+	if tx := b.br.Tx(); tx != nil {
+		return guardedTx{g: b.g, tx: tx}
+	}
+	return nil
+}
