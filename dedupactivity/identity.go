@@ -54,7 +54,10 @@ func (k Kind) String() string {
 // Only the fields that belong to the Kind are encoded; the others are
 // ignored.
 type Identity struct {
-	Kind          Kind
+	// Kind is what the event is, and so which of the fields below name it.
+	Kind Kind
+	// Namespace is the Temporal namespace the event belongs to (idemhttp
+	// puts its own there); every Kind encodes it.
 	Namespace     string
 	WorkflowID    string // KindActivity, KindLocalActivity
 	RunID         string // KindActivity, KindLocalActivity

@@ -631,8 +631,8 @@ func (m *Middleware) AppliedFor(ctx context.Context, caller, key string) (bool, 
 // outbox.ErrRejected.
 type RejectedError struct {
 	Caller string // with Options.Caller, the key's caller
-	Key    string
-	Status int
+	Key    string // the key, as the request sent it
+	Status int    // the stored answer's status
 }
 
 // Error says which key (and caller) was refused, and with what status.

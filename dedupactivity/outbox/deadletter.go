@@ -18,6 +18,8 @@ import (
 
 // DeadLetter is a dead message, as DeadLetters lists it.
 type DeadLetter struct {
+	// Key, Destination and Name are the message's, as Enqueue stored them
+	// (see Message).
 	Key         string
 	Destination string
 	Name        string

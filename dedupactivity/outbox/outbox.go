@@ -304,6 +304,8 @@ const (
 
 // Stats counts the outbox's messages.
 type Stats struct {
+	// Pending, Sending, Sent, Applied, Dead and Rejected count the
+	// messages in each State.
 	Pending, Sending, Sent, Applied, Dead, Rejected int64
 	// Resends is the number of leases beyond each message's first (the
 	// sum of Delivery.Attempt - 1): each is a resend, or a lease that ended

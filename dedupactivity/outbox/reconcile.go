@@ -412,11 +412,17 @@ func (rc *Reconciler) reconcileActivity(ctx context.Context) (ReconcileReport, e
 
 // Unresolved is a message the reconciler could not settle.
 type Unresolved struct {
+	// Key and Destination are the message's (see Message).
 	Key         string
 	Destination string
-	State       State
-	Attempts    int
-	LastError   string
+	// State is the message's state as the reconciler found it and left it:
+	// StateDead, or StatePending or StateSending for a message sent and
+	// not acknowledged.
+	State State
+	// Attempts counts the message's sends (as Delivery.Attempt); LastError
+	// is the message's last recorded send error, empty if none is.
+	Attempts  int
+	LastError string
 	// Reason says why: the check failed (unknown), or a dead message ran
 	// out of re-queues, or it was first sent longer ago than KeyRetention
 	// and not acknowledged since.

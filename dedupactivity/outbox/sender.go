@@ -25,7 +25,9 @@ type Delivery struct {
 	// ID is the message's row ID in the outbox table.
 	ID int64
 	// Key is the message's idempotency key: the same on every attempt.
-	Key         string
+	Key string
+	// Destination, Name and Headers are the message's, as Enqueue stored
+	// them (see Message).
 	Destination string
 	Name        string
 	Headers     map[string]string
@@ -278,6 +280,7 @@ func NewHTTPSender(cfg HTTPSenderConfig) (*HTTPSender, error) {
 // StatusError is a non-2xx HTTP response. It matches ErrPermanent with
 // errors.Is when the status is not worth retrying.
 type StatusError struct {
+	// StatusCode is the response's status.
 	StatusCode int
 	// Body is the start of the response body (at most 512 bytes), and, if
 	// reading it failed, why.
