@@ -1,6 +1,7 @@
 package idemhttp
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"sync"
@@ -55,11 +56,28 @@ func (g *guard) enter() error {
 
 func (g *guard) leave() { g.mu.Unlock() }
 
-// close waits for the call in flight, if any, and refuses every later one.
+// close refuses every later call and waits for the call in flight, if any.
+// The flag goes first: a running goroutine's TryLock can take the mutex
+// ahead of a waiting Lock, and enter checks the flag again once it has it.
 func (g *guard) close() {
-	g.mu.Lock()
 	g.closed.Store(true)
-	g.mu.Unlock()
+	g.mu.Lock()
+	g.mu.Unlock() //nolint:staticcheck // empty critical section: waits for the call in flight
+}
+
+// peek is for the calls that only hand out what the claim's Tx holds (Conn,
+// LargeObjects): they are refused once the guard is closed, but not while
+// another call is in flight, as pgx gives them from inside a Batch's
+// callback too. It returns whether the caller must leave.
+func (g *guard) peek() (entered bool, err error) {
+	switch err := g.enter(); {
+	case err == nil:
+		return true, nil
+	case errors.Is(err, errBusy):
+		return false, nil
+	default:
+		return false, err
+	}
 }
 
 // guardedTx is the Tx a handler gets from Tx: the claim's, or one of its
@@ -111,19 +129,22 @@ func (t guardedTx) CopyFrom(ctx context.Context, table pgx.Identifier, cols []st
 
 func (t guardedTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
 	if err := t.g.enter(); err != nil {
-		return guardedBatch{err: err}
+		return pgx.FailedBatchResults(b, err)
 	}
 	defer t.g.leave()
 	return guardedBatch{g: t.g, br: t.tx.SendBatch(ctx, b)}
 }
 
 func (t guardedTx) LargeObjects() pgx.LargeObjects {
-	if err := t.g.enter(); err != nil {
+	entered, err := t.g.peek()
+	if err != nil {
 		// pgx's zero LargeObjects, whose calls panic, as the claim's Tx
 		// gives once it has ended.
 		return pgx.LargeObjects{}
 	}
-	defer t.g.leave()
+	if entered {
+		defer t.g.leave()
+	}
 	return t.tx.LargeObjects()
 }
 
@@ -161,32 +182,44 @@ func (t guardedTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Ro
 }
 
 func (t guardedTx) Conn() *pgx.Conn {
-	if err := t.g.enter(); err != nil {
+	entered, err := t.g.peek()
+	if err != nil {
 		return nil
 	}
-	defer t.g.leave()
+	if entered {
+		defer t.g.leave()
+	}
 	return t.tx.Conn()
 }
 
-// guardedRows are the Rows of a guardedTx's Query. Once the guard refuses a
-// call (or the Query), they are closed to the caller: Next is false, and
+// guardedRows are the Rows of a guardedTx's Query. Once the guard is closed
+// (or refused the Query), they are closed to the caller: Next is false, and
 // Err and Scan return the refusal.
 type guardedRows struct {
 	g    *guard
 	rows pgx.Rows
-	err  error // the guard's refusal
+	err  error // the guard's refusal, for good
+	busy error // a call's refusal while another was in flight
 }
 
 func (r *guardedRows) enter() bool {
+	r.busy = nil
 	if r.err != nil {
 		return false
 	}
-	if err := r.g.enter(); err != nil {
+	switch err := r.g.enter(); {
+	case errors.Is(err, errBusy):
+		r.busy = err
+		return false
+	case err != nil:
 		r.err = err
 		return false
 	}
 	return true
 }
+
+// refusal is why the last call was refused.
+func (r *guardedRows) refusal() error { return cmp.Or(r.err, r.busy) }
 
 func (r *guardedRows) Close() {
 	if !r.enter() {
@@ -198,7 +231,7 @@ func (r *guardedRows) Close() {
 
 func (r *guardedRows) Err() error {
 	if !r.enter() {
-		return r.err
+		return r.refusal()
 	}
 	defer r.g.leave()
 	return r.rows.Err()
@@ -230,7 +263,7 @@ func (r *guardedRows) Next() bool {
 
 func (r *guardedRows) Scan(dest ...any) error {
 	if !r.enter() {
-		return r.err
+		return r.refusal()
 	}
 	defer r.g.leave()
 	return r.rows.Scan(dest...)
@@ -238,7 +271,7 @@ func (r *guardedRows) Scan(dest ...any) error {
 
 func (r *guardedRows) Values() ([]any, error) {
 	if !r.enter() {
-		return nil, r.err
+		return nil, r.refusal()
 	}
 	defer r.g.leave()
 	return r.rows.Values()
@@ -288,23 +321,14 @@ func (r guardedRow) Scan(dest ...any) error {
 }
 
 // guardedBatch are the BatchResults of a guardedTx's SendBatch: pgx reads
-// them, and runs the queued queries' callbacks, in these calls. Its err is
-// the guard's refusal of the SendBatch.
+// them, and runs the queued queries' callbacks, in these calls.
 type guardedBatch struct {
-	g   *guard
-	br  pgx.BatchResults
-	err error
-}
-
-func (b guardedBatch) enter() error {
-	if b.err != nil {
-		return b.err
-	}
-	return b.g.enter()
+	g  *guard
+	br pgx.BatchResults
 }
 
 func (b guardedBatch) Exec() (pgconn.CommandTag, error) {
-	if err := b.enter(); err != nil {
+	if err := b.g.enter(); err != nil {
 		return pgconn.CommandTag{}, err
 	}
 	defer b.g.leave()
@@ -312,7 +336,7 @@ func (b guardedBatch) Exec() (pgconn.CommandTag, error) {
 }
 
 func (b guardedBatch) Query() (pgx.Rows, error) {
-	if err := b.enter(); err != nil {
+	if err := b.g.enter(); err != nil {
 		return &guardedRows{err: err}, err
 	}
 	defer b.g.leave()
@@ -321,7 +345,7 @@ func (b guardedBatch) Query() (pgx.Rows, error) {
 }
 
 func (b guardedBatch) QueryRow() pgx.Row {
-	if err := b.enter(); err != nil {
+	if err := b.g.enter(); err != nil {
 		return guardedRow{err: err}
 	}
 	defer b.g.leave()
@@ -329,7 +353,7 @@ func (b guardedBatch) QueryRow() pgx.Row {
 }
 
 func (b guardedBatch) Close() error {
-	if err := b.enter(); err != nil {
+	if err := b.g.enter(); err != nil {
 		return err
 	}
 	defer b.g.leave()
@@ -338,7 +362,7 @@ func (b guardedBatch) Close() error {
 
 // Tx is the transaction a Batch.BeginTx began, behind the guard.
 func (b guardedBatch) Tx() pgx.Tx {
-	if err := b.enter(); err != nil {
+	if err := b.g.enter(); err != nil {
 		return nil
 	}
 	defer b.g.leave()

@@ -1535,7 +1535,7 @@ func TestTimeoutHandlerInside(t *testing.T) {
 	t.Run("CallInFlight", func(t *testing.T) {
 		t.Parallel()
 		s, m := newMiddleware(t, idemhttp.Options{})
-		slept := make(chan error, 1)
+		slept, next := make(chan error, 1), make(chan error, 1)
 		srv := httptest.NewServer(m.Handler(http.TimeoutHandler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			tx, _ := idemhttp.Tx(r.Context())
 			if _, err := tx.Exec(r.Context(), insert); err != nil {
@@ -1544,6 +1544,9 @@ func TestTimeoutHandlerInside(t *testing.T) {
 			}
 			_, err := tx.Exec(r.Context(), `SELECT pg_sleep(30)`)
 			slept <- err
+			// The next call, right after: the guard is closed by now.
+			_, err = tx.Exec(context.Background(), `SELECT pg_sleep(5)`)
+			next <- err
 		}), 200*time.Millisecond, "too slow")))
 		defer srv.Close()
 		b := &testBundle{schema: s, m: m, srv: srv}
@@ -1557,6 +1560,8 @@ func TestTimeoutHandlerInside(t *testing.T) {
 		case <-time.After(10 * time.Second):
 			t.Fatal("the handler's statement did not end")
 		}
+		require.ErrorIs(t, <-next, pgx.ErrTxClosed)
+		require.Less(t, time.Since(start), 4*time.Second, "the 503 did not wait for the next call")
 		require.Zero(t, b.receipts(t))
 	})
 	t.Run("CallbackCallingTheTx", func(t *testing.T) {
@@ -1565,11 +1570,13 @@ func TestTimeoutHandlerInside(t *testing.T) {
 		t.Parallel()
 		s, m := newMiddleware(t, idemhttp.Options{})
 		var inner error
+		var conn *pgx.Conn
 		srv := httptest.NewServer(m.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			tx, _ := idemhttp.Tx(r.Context())
 			batch := &pgx.Batch{}
 			batch.Queue(insert).Exec(func(pgconn.CommandTag) error {
 				_, inner = tx.Exec(r.Context(), insert)
+				conn = tx.Conn() // given, as pgx gives it there
 				return nil
 			})
 			if err := tx.SendBatch(r.Context(), batch).Close(); err != nil {
@@ -1582,6 +1589,7 @@ func TestTimeoutHandlerInside(t *testing.T) {
 		b := &testBundle{schema: s, m: m, srv: srv}
 		require.Equal(t, http.StatusCreated, b.post(t, "/", "k", "x").status)
 		require.ErrorContains(t, inner, "conn busy")
+		require.NotNil(t, conn)
 		require.Equal(t, 1, b.receipts(t))
 	})
 }
