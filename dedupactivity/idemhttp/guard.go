@@ -62,7 +62,8 @@ func (g *guard) leave() { g.mu.Unlock() }
 func (g *guard) close() {
 	g.closed.Store(true)
 	g.mu.Lock()
-	g.mu.Unlock() //nolint:staticcheck // empty critical section: waits for the call in flight
+	//lint:ignore SA2001 the empty critical section waits for the call in flight
+	g.mu.Unlock()
 }
 
 // peek is for the calls that only hand out what the claim's Tx holds (Conn,
