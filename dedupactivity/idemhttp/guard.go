@@ -1,7 +1,6 @@
 package idemhttp
 
 import (
-	"cmp"
 	"context"
 	"errors"
 	"sync"
@@ -193,37 +192,24 @@ func (t guardedTx) Conn() *pgx.Conn {
 	return t.tx.Conn()
 }
 
-// guardedRows are the Rows of a guardedTx's Query. Once the guard is closed
-// (or refused the Query), they are closed to the caller: Next is false, and
-// Err and Scan return the refusal.
+// guardedRows are the Rows of a guardedTx's Query. A call the guard refuses
+// reads as on closed Rows: Next is false, and Err and Scan return the
+// refusal. Its err is the guard's refusal of the Query.
 type guardedRows struct {
 	g    *guard
 	rows pgx.Rows
-	err  error // the guard's refusal, for good
-	busy error // a call's refusal while another was in flight
+	err  error
 }
 
-func (r *guardedRows) enter() bool {
-	r.busy = nil
+func (r *guardedRows) enter() error {
 	if r.err != nil {
-		return false
+		return r.err
 	}
-	switch err := r.g.enter(); {
-	case errors.Is(err, errBusy):
-		r.busy = err
-		return false
-	case err != nil:
-		r.err = err
-		return false
-	}
-	return true
+	return r.g.enter()
 }
-
-// refusal is why the last call was refused.
-func (r *guardedRows) refusal() error { return cmp.Or(r.err, r.busy) }
 
 func (r *guardedRows) Close() {
-	if !r.enter() {
+	if r.enter() != nil {
 		return
 	}
 	defer r.g.leave()
@@ -231,15 +217,15 @@ func (r *guardedRows) Close() {
 }
 
 func (r *guardedRows) Err() error {
-	if !r.enter() {
-		return r.refusal()
+	if err := r.enter(); err != nil {
+		return err
 	}
 	defer r.g.leave()
 	return r.rows.Err()
 }
 
 func (r *guardedRows) CommandTag() pgconn.CommandTag {
-	if !r.enter() {
+	if r.enter() != nil {
 		return pgconn.CommandTag{}
 	}
 	defer r.g.leave()
@@ -247,7 +233,7 @@ func (r *guardedRows) CommandTag() pgconn.CommandTag {
 }
 
 func (r *guardedRows) FieldDescriptions() []pgconn.FieldDescription {
-	if !r.enter() {
+	if r.enter() != nil {
 		return nil
 	}
 	defer r.g.leave()
@@ -255,7 +241,7 @@ func (r *guardedRows) FieldDescriptions() []pgconn.FieldDescription {
 }
 
 func (r *guardedRows) Next() bool {
-	if !r.enter() {
+	if r.enter() != nil {
 		return false
 	}
 	defer r.g.leave()
@@ -263,23 +249,23 @@ func (r *guardedRows) Next() bool {
 }
 
 func (r *guardedRows) Scan(dest ...any) error {
-	if !r.enter() {
-		return r.refusal()
+	if err := r.enter(); err != nil {
+		return err
 	}
 	defer r.g.leave()
 	return r.rows.Scan(dest...)
 }
 
 func (r *guardedRows) Values() ([]any, error) {
-	if !r.enter() {
-		return nil, r.refusal()
+	if err := r.enter(); err != nil {
+		return nil, err
 	}
 	defer r.g.leave()
 	return r.rows.Values()
 }
 
 func (r *guardedRows) RawValues() [][]byte {
-	if !r.enter() {
+	if r.enter() != nil {
 		return nil
 	}
 	defer r.g.leave()
@@ -287,7 +273,7 @@ func (r *guardedRows) RawValues() [][]byte {
 }
 
 func (r *guardedRows) Conn() *pgx.Conn {
-	if !r.enter() {
+	if r.enter() != nil {
 		return nil
 	}
 	defer r.g.leave()
@@ -295,7 +281,7 @@ func (r *guardedRows) Conn() *pgx.Conn {
 }
 
 func (r *guardedRows) TypeMap() *pgtype.Map {
-	if !r.enter() {
+	if r.enter() != nil {
 		return nil
 	}
 	defer r.g.leave()
@@ -361,12 +347,10 @@ func (b guardedBatch) Close() error {
 	return b.br.Close()
 }
 
-// Tx is the transaction a Batch.BeginTx began, behind the guard.
+// Tx is the transaction a Batch.BeginTx began, behind the guard. pgx keeps
+// it in the BatchResults from SendBatch on, so reading it needs no call on
+// the connection (and, as in pgx, works inside a callback).
 func (b guardedBatch) Tx() pgx.Tx {
-	if err := b.g.enter(); err != nil {
-		return nil
-	}
-	defer b.g.leave()
 	if tx := b.br.Tx(); tx != nil {
 		return guardedTx{g: b.g, tx: tx}
 	}

@@ -1488,13 +1488,20 @@ func TestTimeoutHandlerOutside(t *testing.T) {
 func TestTimeoutHandlerInside(t *testing.T) {
 	t.Parallel()
 	const insert = `INSERT INTO receipt (body) VALUES ('x')`
+	// serve serves h behind the middleware, in a TimeoutHandler of 200ms
+	// inside it.
+	serve := func(t *testing.T, h http.HandlerFunc) *testBundle {
+		s, m := newMiddleware(t, idemhttp.Options{})
+		srv := httptest.NewServer(m.Handler(http.TimeoutHandler(h, 200*time.Millisecond, "too slow")))
+		t.Cleanup(srv.Close)
+		return &testBundle{schema: s, m: m, srv: srv}
+	}
 	t.Run("CallsAfterTheAnswer", func(t *testing.T) {
 		t.Parallel()
-		s, m := newMiddleware(t, idemhttp.Options{})
 		proceed := make(chan struct{})
 		late := make(chan []error, 1)
 		var runs atomic.Int64
-		srv := httptest.NewServer(m.Handler(http.TimeoutHandler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b := serve(t, func(w http.ResponseWriter, r *http.Request) {
 			tx, _ := idemhttp.Tx(r.Context())
 			ctx := context.Background()
 			if _, err := tx.Exec(ctx, insert); err != nil {
@@ -1517,9 +1524,7 @@ func TestTimeoutHandlerInside(t *testing.T) {
 				return
 			}
 			w.WriteHeader(http.StatusCreated)
-		}), 200*time.Millisecond, "too slow")))
-		defer srv.Close()
-		b := &testBundle{schema: s, m: m, srv: srv}
+		})
 
 		require.Equal(t, http.StatusServiceUnavailable, b.post(t, "/", "k", "x").status)
 		close(proceed)
@@ -1534,9 +1539,8 @@ func TestTimeoutHandlerInside(t *testing.T) {
 	})
 	t.Run("CallInFlight", func(t *testing.T) {
 		t.Parallel()
-		s, m := newMiddleware(t, idemhttp.Options{})
-		slept, next := make(chan error, 1), make(chan error, 1)
-		srv := httptest.NewServer(m.Handler(http.TimeoutHandler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		slept := make(chan error, 1)
+		b := serve(t, func(w http.ResponseWriter, r *http.Request) {
 			tx, _ := idemhttp.Tx(r.Context())
 			if _, err := tx.Exec(r.Context(), insert); err != nil {
 				http.Error(w, err.Error(), http.StatusInternalServerError)
@@ -1544,12 +1548,7 @@ func TestTimeoutHandlerInside(t *testing.T) {
 			}
 			_, err := tx.Exec(r.Context(), `SELECT pg_sleep(30)`)
 			slept <- err
-			// The next call, right after: the guard is closed by now.
-			_, err = tx.Exec(context.Background(), `SELECT pg_sleep(5)`)
-			next <- err
-		}), 200*time.Millisecond, "too slow")))
-		defer srv.Close()
-		b := &testBundle{schema: s, m: m, srv: srv}
+		})
 
 		start := time.Now()
 		require.Equal(t, http.StatusServiceUnavailable, b.post(t, "/", "k", "x").status)
@@ -1560,8 +1559,34 @@ func TestTimeoutHandlerInside(t *testing.T) {
 		case <-time.After(10 * time.Second):
 			t.Fatal("the handler's statement did not end")
 		}
-		require.ErrorIs(t, <-next, pgx.ErrTxClosed)
-		require.Less(t, time.Since(start), 4*time.Second, "the 503 did not wait for the next call")
+		require.Zero(t, b.receipts(t))
+	})
+	t.Run("CallInFlightWithAnotherContext", func(t *testing.T) {
+		// A call the timeout does not cancel holds the 503 until it ends,
+		// and the handler's next call, made at once, is refused: the
+		// request was over while the first one ran.
+		t.Parallel()
+		calls := make(chan error, 2)
+		b := serve(t, func(w http.ResponseWriter, r *http.Request) {
+			tx, _ := idemhttp.Tx(r.Context())
+			ctx := context.Background()
+			if _, err := tx.Exec(ctx, insert); err != nil {
+				http.Error(w, err.Error(), http.StatusInternalServerError)
+				return
+			}
+			_, err := tx.Exec(ctx, `SELECT pg_sleep(1)`)
+			calls <- err
+			_, err = tx.Exec(ctx, `SELECT pg_sleep(5)`)
+			calls <- err
+		})
+
+		start := time.Now()
+		require.Equal(t, http.StatusServiceUnavailable, b.post(t, "/", "k", "x").status)
+		took := time.Since(start)
+		require.GreaterOrEqual(t, took, time.Second, "the 503 waited for the call in flight")
+		require.Less(t, took, 4*time.Second, "the 503 did not wait for the next call")
+		require.NoError(t, <-calls, "the call in flight ran to its end")
+		require.ErrorIs(t, <-calls, pgx.ErrTxClosed)
 		require.Zero(t, b.receipts(t))
 	})
 	t.Run("CallbackCallingTheTx", func(t *testing.T) {
