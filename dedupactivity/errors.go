@@ -56,8 +56,10 @@ var (
 	ErrNotMigrated = errors.New("dedupactivity: marker table or function missing (run Migrate)")
 
 	// ErrTxOwned is returned by the Commit and Rollback methods of the
-	// pgx.Tx an effect is given: the claim commits the effect together with
-	// its marker, or rolls both back when the effect returns an error.
+	// pgx.Tx an effect is given, and by its SendBatch for a Batch that
+	// begins a transaction (Batch.BeginTx): the claim commits the effect
+	// together with its marker, or rolls both back when the effect returns
+	// an error.
 	ErrTxOwned = errors.New("dedupactivity: the claim transaction is committed or rolled back by dedupactivity, not by the effect")
 
 	// ErrTxEnded is returned when an effect ended the claim transaction

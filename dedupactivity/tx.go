@@ -242,13 +242,22 @@ func (t *claimTx) CopyFrom(ctx context.Context, table pgx.Identifier, cols []str
 	return t.conn.CopyFrom(ctx, table, cols, src)
 }
 
-// SendBatch sends a batch in the claim transaction.
+// SendBatch sends a batch in the claim transaction. A batch that begins a
+// transaction (Batch.BeginTx) is refused with ErrTxOwned, as pgx's Tx
+// refuses it: the Tx it gives would end the claim transaction.
 func (t *claimTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+	if beginsTx(b) {
+		return pgx.FailedBatchResults(b, t.refuse("SendBatch with a Batch that begins a transaction (Batch.BeginTx)"))
+	}
 	if err := t.ready(ctx, nil); err != nil {
-		return errBatch{err}
+		return pgx.FailedBatchResults(b, err)
 	}
 	return t.conn.SendBatch(ctx, b)
 }
+
+// beginsTx says whether b begins a transaction (Batch.BeginTx), which pgx
+// keeps unexported: its failed results then carry a Tx.
+func beginsTx(b *pgx.Batch) bool { return pgx.FailedBatchResults(b, nil).Tx() != nil }
 
 // LargeObjects returns large-object access in the claim transaction. Do not
 // keep it past the effect: unlike the Tx, it is not closed with the attempt.
@@ -517,7 +526,7 @@ func (s *savepoint) CopyFrom(ctx context.Context, table pgx.Identifier, cols []s
 
 func (s *savepoint) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
 	if !s.live() {
-		return errBatch{pgx.ErrTxClosed}
+		return pgx.FailedBatchResults(b, pgx.ErrTxClosed)
 	}
 	return s.root.SendBatch(ctx, b)
 }
@@ -564,8 +573,8 @@ func (s *savepoint) QueryRow(ctx context.Context, sql string, args ...any) pgx.R
 
 func (s *savepoint) Conn() *pgx.Conn { return s.root.Conn() }
 
-// errRows and errBatch are what a claimTx that cannot take statements
-// returns: its Rows, Row and BatchResults fail with the reason.
+// errRows are what a claimTx that cannot take statements returns: its Rows
+// and Row fail with the reason (its BatchResults are pgx.FailedBatchResults).
 type errRows struct{ err error }
 
 func (r errRows) Close()                                       {}
@@ -578,11 +587,3 @@ func (r errRows) Values() ([]any, error)                       { return nil, r.e
 func (r errRows) RawValues() [][]byte                          { return nil }
 func (r errRows) Conn() *pgx.Conn                              { return nil }
 func (r errRows) TypeMap() *pgtype.Map                         { return nil }
-
-type errBatch struct{ err error }
-
-func (b errBatch) Exec() (pgconn.CommandTag, error) { return pgconn.CommandTag{}, b.err }
-func (b errBatch) Query() (pgx.Rows, error)         { return errRows(b), b.err }
-func (b errBatch) QueryRow() pgx.Row                { return errRows(b) }
-func (b errBatch) Close() error                     { return b.err }
-func (b errBatch) Tx() pgx.Tx                       { return nil }

@@ -50,6 +50,58 @@ func TestEffectCannotCommitOrRollBack(t *testing.T) {
 	}
 }
 
+// TestEffectCannotBeginATxInABatch: a Batch that begins a transaction of
+// its own (Batch.BeginTx) is refused with ErrTxOwned, as pgx's own Tx
+// refuses it, first call or not, through a savepoint too: its Tx could
+// commit the claim transaction. Its BatchResults give a closed Tx, as
+// pgx.FailedBatchResults does, so the usual deferred Rollback is safe, and
+// committing it commits nothing.
+func TestEffectCannotBeginATxInABatch(t *testing.T) {
+	t.Parallel()
+	for name, before := range map[string]func(context.Context, pgx.Tx, *testBundle) (pgx.Tx, error){
+		"FirstCall": func(ctx context.Context, tx pgx.Tx, _ *testBundle) (pgx.Tx, error) { return tx, nil },
+		"AfterStatement": func(ctx context.Context, tx pgx.Tx, b *testBundle) (pgx.Tx, error) {
+			_, err := b.post(ctx, tx, Transfer{Account: "a", Amount: 1})
+			return tx, err
+		},
+		"InSavepoint": func(ctx context.Context, tx pgx.Tx, b *testBundle) (pgx.Tx, error) {
+			if _, err := b.post(ctx, tx, Transfer{Account: "a", Amount: 1}); err != nil {
+				return nil, err
+			}
+			return tx.Begin(ctx)
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, dedupactivity.Options{})
+			var sendErr, commitErr error
+			fn := dedupactivity.Wrap(b.d, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+				tx, err := before(ctx, tx, b)
+				if err != nil {
+					return Posting{}, err
+				}
+				batch := &pgx.Batch{}
+				batch.BeginTx(pgx.TxOptions{})
+				batch.Queue(`INSERT INTO ledger (account, amount) VALUES ('b', 99)`)
+				br := tx.SendBatch(ctx, batch)
+				sendErr = br.Close()
+				require.NotNil(t, br.Tx(), "a closed Tx, as pgx gives for a batch that begins one")
+				commitErr = br.Tx().Commit(ctx)
+				return Posting{}, sendErr
+			})
+			_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
+			require.ErrorIs(t, sendErr, dedupactivity.ErrTxOwned)
+			require.ErrorIs(t, commitErr, pgx.ErrTxClosed)
+			require.ErrorIs(t, err, dedupactivity.ErrTxOwned)
+			ae := appErr(t, err)
+			require.Equal(t, dedupactivity.ErrTypeInvalidUsage, ae.Type())
+			require.True(t, ae.NonRetryable())
+			require.Zero(t, b.markers(t))
+			require.Zero(t, b.ledgerRows(t))
+		})
+	}
+}
+
 // TestErrorsReadOnceInTheWorkflow: an error converted at the activity edge
 // reads once, in the worker and in the workflow (the SDK's failure
 // converter sends a cause per level of wrapping it can unwrap: each
