@@ -122,7 +122,11 @@ func (d *Deduper) claim(ctx context.Context, m *marker, ride bool, fn applyFunc)
 				}
 			}
 		}()
-		return fn(ctx, tx)
+		// Runs first: waits for a call a goroutine of the effect has in
+		// flight, and shuts it out, before anything here reads the claim's
+		// state or goes on with the connection.
+		defer tx.guard.Close()
+		return fn(ctx, tx.guard.Tx(tx))
 	}()
 	a.effectTime = time.Since(effectStart)
 	sentAfter := tx.state == stateNone

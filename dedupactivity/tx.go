@@ -11,14 +11,19 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/dedupactivity/dedupactivity/dedupactivity/internal/txguard"
 )
 
 // claimTx is the pgx.Tx an effect runs in. The claim owns the transaction:
 // Commit and Rollback return ErrTxOwned, and once the attempt ends every
 // method returns pgx.ErrTxClosed, so an effect that keeps the Tx cannot write
 // outside its event's transaction later (its connection is back in the pool
-// by then, possibly inside another event's transaction). Savepoints (Begin)
-// work as in pgx.
+// by then, possibly inside another event's transaction). The effect gets it
+// behind guard (see txguard), which the claim closes when the effect
+// returns: a call a goroutine of the effect has in flight then is waited
+// for, and nothing reaches the Tx after, so the claim's own state and
+// connection are its alone from there. Savepoints (Begin) work as in pgx.
 //
 // On a delivery that may ride (see mayRide), the claim's first round trip is
 // held back until the effect's first statement and sent with it, as a look
@@ -44,7 +49,8 @@ type claimTx struct {
 	conn   *pgx.Conn
 	inner  pgx.Tx // a pgx Tx of the claim transaction, made for LargeObjects
 	closed atomic.Bool
-	depth  int // savepoints opened so far, for their names
+	guard  txguard.Guard // what the effect gets is this Tx behind it
+	depth  int           // savepoints opened so far, for their names
 
 	start    time.Time // the attempt's start
 	state    claimState
@@ -156,8 +162,8 @@ var (
 // rides says whether a statement with args can carry the claim: it is the
 // first, of a delivery that may ride, and its arguments are positional.
 func (t *claimTx) rides(args []any) bool {
-	// closed first: a goroutine of the effect that kept the Tx may call
-	// after the attempt, while the claim writes state.
+	// closed first: once the attempt is over nothing rides (the guard
+	// already shuts the effect's goroutines out by then).
 	return !t.closed.Load() && t.ride && t.state == stateNone && positional(args)
 }
 

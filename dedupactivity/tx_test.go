@@ -517,6 +517,42 @@ func TestTxKeptByAGoroutine(t *testing.T) {
 	require.ErrorIs(t, <-done, pgx.ErrTxClosed)
 }
 
+// TestTxCallInFlightWhenTheEffectReturns: a call a goroutine of the effect
+// has in flight when the effect returns is waited for before the claim goes
+// on with the connection (make test runs -race: without the wait, the
+// claim's COMMIT raced with it), runs in the event's transaction, and the
+// goroutine's next call gets pgx.ErrTxClosed.
+func TestTxCallInFlightWhenTheEffectReturns(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	inFlight := make(chan struct{})
+	first, next := make(chan error, 1), make(chan error, 1)
+	fn := dedupactivity.Wrap(b.d, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+		p, err := b.post(ctx, tx, in)
+		if err != nil {
+			return p, err
+		}
+		go func() {
+			close(inFlight)
+			_, err := tx.Exec(context.Background(), `INSERT INTO ledger (account, amount) SELECT 'b', $1::bigint FROM pg_sleep(0.5)`, 2)
+			first <- err
+			_, err = tx.Exec(context.Background(), `INSERT INTO ledger (account, amount) VALUES ('b', $1)`, 3)
+			next <- err
+		}()
+		<-inFlight
+		time.Sleep(100 * time.Millisecond) // the goroutine's statement is on the wire
+		return p, nil
+	})
+	began := time.Now()
+	_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
+	require.NoError(t, err)
+	require.GreaterOrEqual(t, time.Since(began), 500*time.Millisecond, "the claim waited for the call in flight")
+	require.NoError(t, <-first)
+	require.ErrorIs(t, <-next, pgx.ErrTxClosed)
+	require.Equal(t, int64(2), b.ledgerRows(t), "the effect's row and the call in flight's, in the event's transaction")
+	require.Equal(t, int64(1), b.markers(t))
+}
+
 // TestTxDiesWithTheAttempt: a Tx (or savepoint) kept past the attempt
 // returns pgx.ErrTxClosed from every method and writes nothing (inside
 // another event's transaction on its connection: TestKeptTxCannotWriteIntoAnotherEvent).

@@ -36,11 +36,13 @@ import (
 // pg_advisory_unlock too (also when a concurrent attempt committed after
 // the first statement, found by a later call's claim): take transaction
 // locks (pg_advisory_xact_lock), which the rollback releases, not session
-// ones. As with any pgx.Tx, calls on tx from a goroutine the effect
-// started must end before the effect returns, with that goroutine waited
-// for (a call that outlives the effect races with the claim's commit or
-// rollback on the connection). Do not call external systems (email,
-// payments, HTTP) from it; see the package documentation.
+// ones. Calls on tx from a goroutine the effect started belong before the
+// effect returns: one in flight then is waited for (it runs in the event's
+// transaction, and the claim commits or rolls back after it), and every
+// later one returns pgx.ErrTxClosed, so none reaches the connection once
+// the attempt is over; two at once get "conn busy", as on any pgx.Tx. Do
+// not call external systems (email, payments, HTTP) from it; see the
+// package documentation.
 type EffectFunc[In, Out any] func(ctx context.Context, tx pgx.Tx, in In) (Out, error)
 
 // WrapOption configures one wrapped activity.

@@ -113,6 +113,7 @@ import (
 	"golang.org/x/net/http/httpguts"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
+	"github.com/dedupactivity/dedupactivity/dedupactivity/internal/txguard"
 	"github.com/dedupactivity/dedupactivity/dedupactivity/outbox"
 )
 
@@ -550,15 +551,15 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 				// around this one set, for the handler to read or add to.
 				outer := w.Header().Clone()
 				rec := &recorder{header: outer.Clone(), limit: m.maxBody}
-				g := &guard{}
-				defer g.close() // on a panic too
-				r2 := r.WithContext(context.WithValue(ctx, txKey{}, guardedTx{g: g, tx: tx}))
+				g := &txguard.Guard{}
+				defer g.Close() // on a panic too
+				r2 := r.WithContext(context.WithValue(ctx, txKey{}, g.Tx(tx)))
 				r2.Body = io.NopCloser(bytes.NewReader(body))
 				r2.ContentLength = int64(len(body))
 				next.ServeHTTP(rec, r2)
 				// The handler has returned, but a goroutine of it may go on
-				// (see guard): from here it is shut out of the Tx.
-				g.close()
+				// (see txguard): from here it is shut out of the Tx.
+				g.Close()
 				first = rec.response()
 				if rec.over {
 					return response{}, fmt.Errorf("%w: the response body is over %d bytes", dedupactivity.ErrResultTooLarge, rec.limit)

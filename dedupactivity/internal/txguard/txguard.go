@@ -1,4 +1,20 @@
-package idemhttp
+// Package txguard stands between code that may outlive its transaction and
+// the pgx.Tx it was given: each call on the Tx (and on its Rows, Row and
+// BatchResults) holds a mutex, and Close waits for the call in flight and
+// shuts out every later one with pgx.ErrTxClosed.
+//
+// An effect, or an HTTP handler, can go on after it returns in a goroutine
+// of its own (one it started, or the one an http.TimeoutHandler leaves
+// running), while the code that gave it the Tx ends the transaction and
+// puts the connection back in the pool. Without a guard, a call that passed
+// a closed check just before the end would reach that connection: racing
+// with the COMMIT, or landing in another transaction of its next user.
+//
+// A call takes the mutex with TryLock, not Lock: a second call while one is
+// in flight fails with ErrBusy, as pgx answers a busy connection, where
+// waiting would deadlock a callback of the first (a Batch's, a
+// CopyFromSource's) that calls the Tx.
+package txguard
 
 import (
 	"context"
@@ -11,32 +27,20 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
-// errBusy is a call on the handler's Tx made while another one of its calls
-// is in flight (from another goroutine, or from a callback of that call), as
+// ErrBusy is a call on a guarded Tx made while another one of its calls is
+// in flight (from another goroutine, or from a callback of that call), as
 // pgx refuses a second call on a busy connection.
-var errBusy = errors.New("idemhttp: conn busy: another call on the request's Tx is in flight")
+var ErrBusy = errors.New("dedupactivity: conn busy: another call on the Tx is in flight")
 
-// guard stands between a handler and the Tx of its request's claim. The
-// middleware ends the transaction once the handler returns, but a handler
-// can go on after that in a goroutine of its own: behind an
-// http.TimeoutHandler inside the middleware, say, which returns its 503 and
-// leaves the handler running. The guard makes each call on the Tx (and on
-// its Rows, Row and BatchResults) hold a mutex, and close waits for the call
-// in flight and shuts out every later one with pgx.ErrTxClosed, so nothing
-// the handler does after its request's answer reaches the connection, which
-// is rolled back and back in the pool by then.
-//
-// A call takes the mutex with TryLock, not Lock: a second call while one is
-// in flight fails with errBusy, as pgx answers a busy connection, where
-// waiting would deadlock a callback of the first (a Batch's, a
-// CopyFromSource's) that calls the Tx.
-type guard struct {
+// Guard guards the Txs its Tx method gives. The zero value is ready to use;
+// a Guard must not be copied after first use.
+type Guard struct {
 	mu     sync.Mutex
 	closed atomic.Bool
 }
 
 // enter takes the guard for one call; leave gives it back.
-func (g *guard) enter() error {
+func (g *Guard) enter() error {
 	if g.closed.Load() {
 		return pgx.ErrTxClosed
 	}
@@ -44,7 +48,7 @@ func (g *guard) enter() error {
 		if g.closed.Load() {
 			return pgx.ErrTxClosed
 		}
-		return errBusy
+		return ErrBusy
 	}
 	if g.closed.Load() {
 		g.mu.Unlock()
@@ -53,39 +57,42 @@ func (g *guard) enter() error {
 	return nil
 }
 
-func (g *guard) leave() { g.mu.Unlock() }
+func (g *Guard) leave() { g.mu.Unlock() }
 
-// close refuses every later call and waits for the call in flight, if any.
-// The flag goes first: a running goroutine's TryLock can take the mutex
-// ahead of a waiting Lock, and enter checks the flag again once it has it.
-func (g *guard) close() {
+// Close refuses every later call and waits for the call in flight, if any.
+// It may be called more than once. The flag goes first: a running
+// goroutine's TryLock can take the mutex ahead of a waiting Lock, and enter
+// checks the flag again once it has it.
+func (g *Guard) Close() {
 	g.closed.Store(true)
 	g.mu.Lock()
 	//lint:ignore SA2001 the empty critical section waits for the call in flight
 	g.mu.Unlock()
 }
 
-// peek is for the calls that only hand out what the claim's Tx holds (Conn,
+// peek is for the calls that only hand out what the guarded Tx holds (Conn,
 // LargeObjects): they are refused once the guard is closed, but not while
 // another call is in flight, as pgx gives them from inside a Batch's
 // callback too. It returns whether the caller must leave.
-func (g *guard) peek() (entered bool, err error) {
+func (g *Guard) peek() (entered bool, err error) {
 	switch err := g.enter(); {
 	case err == nil:
 		return true, nil
-	case errors.Is(err, errBusy):
+	case errors.Is(err, ErrBusy):
 		return false, nil
 	default:
 		return false, err
 	}
 }
 
-// guardedTx is the Tx a handler gets from Tx: the claim's, or one of its
-// savepoints, behind the request's guard. LargeObjects and Conn give what
-// the claim's Tx gives, which the guard cannot stand in front of: use them
-// only while the handler runs.
+// Tx returns tx behind g. Its savepoints (Begin) and the Tx of a batch that
+// begins one are behind g too. LargeObjects and Conn give what tx gives,
+// which the guard cannot stand in front of: use them only until Close.
+func (g *Guard) Tx(tx pgx.Tx) pgx.Tx { return guardedTx{g: g, tx: tx} }
+
+// guardedTx is a Tx behind a guard.
 type guardedTx struct {
-	g  *guard
+	g  *Guard
 	tx pgx.Tx
 }
 
@@ -196,7 +203,7 @@ func (t guardedTx) Conn() *pgx.Conn {
 // reads as on closed Rows: Next is false, and Err and Scan return the
 // refusal. Its err is the guard's refusal of the Query.
 type guardedRows struct {
-	g    *guard
+	g    *Guard
 	rows pgx.Rows
 	err  error
 }
@@ -291,7 +298,7 @@ func (r *guardedRows) TypeMap() *pgtype.Map {
 // guardedRow is the Row of a guardedTx's QueryRow: pgx reads its result in
 // Scan. Its err is the guard's refusal of the QueryRow.
 type guardedRow struct {
-	g   *guard
+	g   *Guard
 	row pgx.Row
 	err error
 }
@@ -310,7 +317,7 @@ func (r guardedRow) Scan(dest ...any) error {
 // guardedBatch are the BatchResults of a guardedTx's SendBatch: pgx reads
 // them, and runs the queued queries' callbacks, in these calls.
 type guardedBatch struct {
-	g  *guard
+	g  *Guard
 	br pgx.BatchResults
 }
 
