@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	"go.temporal.io/sdk/activity"
@@ -551,6 +552,128 @@ func TestTxCallInFlightWhenTheEffectReturns(t *testing.T) {
 	require.ErrorIs(t, <-next, pgx.ErrTxClosed)
 	require.Equal(t, int64(2), b.ledgerRows(t), "the effect's row and the call in flight's, in the event's transaction")
 	require.Equal(t, int64(1), b.markers(t))
+}
+
+// TestTxConnWhileACallIsInFlight: Conn called while another goroutine's
+// call on the Tx is in flight gives the connection a call gave before, or
+// nil, and does not touch the claim (make test runs -race: Conn ran the
+// claim's state machine, and sent the claim a second time, on the busy
+// connection).
+func TestTxConnWhileACallIsInFlight(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	var calls int
+	fn := dedupactivity.Wrap(b.d, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+		done := make(chan error, 1)
+		go func() {
+			for {
+				// Refused while a Conn below holds the Tx: tried again.
+				_, err := tx.Exec(ctx, `SELECT pg_sleep(0.3)`)
+				if err == nil || !strings.Contains(err.Error(), "conn busy") {
+					done <- err
+					return
+				}
+			}
+		}()
+		time.Sleep(50 * time.Millisecond) // the Exec goes first: it sends the claim
+		for {
+			select {
+			case err := <-done:
+				if err != nil {
+					return Posting{}, err
+				}
+				return b.post(ctx, tx, in)
+			default:
+				_ = tx.Conn()
+				calls++
+			}
+		}
+	})
+	_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
+	require.NoError(t, err)
+	require.Positive(t, calls)
+	require.Equal(t, int64(1), b.ledgerRows(t))
+	require.Equal(t, int64(1), b.markers(t))
+}
+
+// TestTxInABatchCallback: inside a Batch's callback, while the batch holds
+// the Tx, a call on it gets "conn busy", Conn gives the connection the
+// SendBatch kept, and LargeObjects gives large objects whose calls return
+// pgx.ErrTxClosed (asking the claim's Tx for them there sent a statement on
+// the busy connection, and the attempt failed).
+func TestTxInABatchCallback(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	var execErr, loErr error
+	var conn *pgx.Conn
+	fn := dedupactivity.Wrap(b.d, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+		batch := &pgx.Batch{}
+		batch.Queue(`SELECT 1`).Exec(func(pgconn.CommandTag) error {
+			_, execErr = tx.Exec(ctx, `SELECT 2`)
+			conn = tx.Conn()
+			lo := tx.LargeObjects()
+			_, loErr = lo.Create(ctx, 0)
+			return nil
+		})
+		if err := tx.SendBatch(ctx, batch).Close(); err != nil {
+			return Posting{}, err
+		}
+		return b.post(ctx, tx, in)
+	})
+	_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
+	require.NoError(t, err)
+	require.ErrorContains(t, execErr, "conn busy")
+	require.NotNil(t, conn)
+	require.ErrorIs(t, loErr, pgx.ErrTxClosed)
+	require.Equal(t, int64(1), b.ledgerRows(t))
+	require.Equal(t, int64(1), b.markers(t))
+}
+
+// TestTxRowsCutByABusyCall: a Next refused because another goroutine's call
+// on the Tx was in flight ends the Rows with an error, never as if they
+// were all read: an effect that stores how many rows it read commits the
+// full count or fails. The goroutine has stopped by the time the effect
+// reads Err, so only a refusal kept by the Rows can report it.
+func TestTxRowsCutByABusyCall(t *testing.T) {
+	t.Parallel()
+	const total = 200000
+	b := setup(t, dedupactivity.Options{})
+	var read int64
+	var rowsErr error
+	fn := dedupactivity.Wrap(b.d, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+		rows, err := tx.Query(ctx, `SELECT g FROM generate_series(1, $1::int) g`, total)
+		if err != nil {
+			return Posting{}, err
+		}
+		stop, stopped := make(chan struct{}), make(chan struct{})
+		go func() {
+			defer close(stopped)
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+					_, _ = tx.Exec(ctx, `SELECT 1`) // busy either way; it holds the Tx a moment
+				}
+			}
+		}()
+		for rows.Next() {
+			read++
+		}
+		close(stop)
+		<-stopped
+		if rowsErr = rows.Err(); rowsErr != nil {
+			return Posting{}, rowsErr
+		}
+		return b.post(ctx, tx, Transfer{Account: "a", Amount: read})
+	})
+	_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
+	t.Logf("read %d of %d rows; Err: %v", read, total, rowsErr)
+	if read < total {
+		require.ErrorContains(t, rowsErr, "conn busy", "the Rows were cut short: their Err says so")
+		require.Error(t, err)
+	}
+	require.Zero(t, b.count(t, `SELECT count(*) FROM ledger WHERE amount <> $1`, total), "no short count committed")
 }
 
 // TestTxDiesWithTheAttempt: a Tx (or savepoint) kept past the attempt

@@ -40,9 +40,10 @@ import (
 // effect returns: one in flight then is waited for (it runs in the event's
 // transaction, and the claim commits or rolls back after it), and every
 // later one returns pgx.ErrTxClosed, so none reaches the connection once
-// the attempt is over; two at once get "conn busy", as on any pgx.Tx. Do
-// not call external systems (email, payments, HTTP) from it; see the
-// package documentation.
+// the attempt is over; two at once get "conn busy", as on any pgx.Tx. What
+// tx.Conn and tx.LargeObjects give is not behind that: keep neither past
+// the effect. Do not call external systems (email, payments, HTTP) from
+// it; see the package documentation.
 type EffectFunc[In, Out any] func(ctx context.Context, tx pgx.Tx, in In) (Out, error)
 
 // WrapOption configures one wrapped activity.

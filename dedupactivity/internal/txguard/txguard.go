@@ -37,6 +37,7 @@ var ErrBusy = errors.New("dedupactivity: conn busy: another call on the Tx is in
 type Guard struct {
 	mu     sync.Mutex
 	closed atomic.Bool
+	conn   atomic.Pointer[pgx.Conn] // the connection a Tx gave, for Conn while a call is in flight
 }
 
 // enter takes the guard for one call; leave gives it back.
@@ -70,30 +71,27 @@ func (g *Guard) Close() {
 	g.mu.Unlock()
 }
 
-// peek is for the calls that only hand out what the guarded Tx holds (Conn,
-// LargeObjects): they are refused once the guard is closed, but not while
-// another call is in flight, as pgx gives them from inside a Batch's
-// callback too. It returns whether the caller must leave.
-func (g *Guard) peek() (entered bool, err error) {
-	switch err := g.enter(); {
-	case err == nil:
-		return true, nil
-	case errors.Is(err, ErrBusy):
-		return false, nil
-	default:
-		return false, err
+// given keeps c, a connection the guarded Tx gave, for a Conn while
+// another call is in flight (see guardedTx.Conn).
+func (g *Guard) given(c *pgx.Conn) *pgx.Conn {
+	if c != nil {
+		g.conn.Store(c)
 	}
+	return c
 }
 
 // Tx returns tx behind g. Its savepoints (Begin) and the Tx of a batch that
 // begins one are behind g too. LargeObjects and Conn give what tx gives,
 // which the guard cannot stand in front of: use them only until Close.
-func (g *Guard) Tx(tx pgx.Tx) pgx.Tx { return guardedTx{g: g, tx: tx} }
+func (g *Guard) Tx(tx pgx.Tx) pgx.Tx { return guardedTx{g: g, tx: tx, shared: true} }
 
-// guardedTx is a Tx behind a guard.
+// guardedTx is a Tx behind a guard. shared says that its connection is the
+// one g keeps (see Conn): true of the Tx g gave and of its savepoints, not
+// of a batch's Tx.
 type guardedTx struct {
-	g  *Guard
-	tx pgx.Tx
+	g      *Guard
+	tx     pgx.Tx
+	shared bool
 }
 
 var _ pgx.Tx = guardedTx{}
@@ -107,7 +105,7 @@ func (t guardedTx) Begin(ctx context.Context) (pgx.Tx, error) {
 	if err != nil {
 		return nil, err
 	}
-	return guardedTx{g: t.g, tx: sp}, nil
+	return guardedTx{g: t.g, tx: sp, shared: t.shared}, nil
 }
 
 func (t guardedTx) Commit(ctx context.Context) error {
@@ -126,33 +124,58 @@ func (t guardedTx) Rollback(ctx context.Context) error {
 	return t.tx.Rollback(ctx)
 }
 
+// CopyFrom keeps the Tx's connection first, for a Conn in src, which pgx
+// reads during the call.
 func (t guardedTx) CopyFrom(ctx context.Context, table pgx.Identifier, cols []string, src pgx.CopyFromSource) (int64, error) {
 	if err := t.g.enter(); err != nil {
 		return 0, err
 	}
 	defer t.g.leave()
+	t.keepConn()
 	return t.tx.CopyFrom(ctx, table, cols, src)
 }
 
+// SendBatch keeps the Tx's connection once the batch is sent, for a Conn
+// in a callback, which pgx runs in the BatchResults' calls. A batch that
+// begins a transaction is not sent on the Tx (pgx refuses it there), so
+// nothing is asked of the Tx for it.
 func (t guardedTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
 	if err := t.g.enter(); err != nil {
 		return pgx.FailedBatchResults(b, err)
 	}
 	defer t.g.leave()
-	return guardedBatch{g: t.g, br: t.tx.SendBatch(ctx, b)}
+	br := t.tx.SendBatch(ctx, b)
+	if br.Tx() == nil {
+		t.keepConn()
+	}
+	return guardedBatch{g: t.g, br: br}
 }
 
+// keepConn keeps the Tx's connection, if it gives one, while the call
+// holds the guard.
+func (t guardedTx) keepConn() {
+	if t.shared {
+		t.g.given(t.tx.Conn())
+	}
+}
+
+// LargeObjects gives the Tx's. While another call is in flight it cannot
+// be asked (the claim's Tx may send a statement to make them): the large
+// objects of a closed Tx then, whose calls return pgx.ErrTxClosed (pgx
+// makes no other kind). Once the guard is closed, pgx's zero LargeObjects,
+// whose calls panic, as the claim's Tx gives once the attempt has ended.
 func (t guardedTx) LargeObjects() pgx.LargeObjects {
-	entered, err := t.g.peek()
-	if err != nil {
-		// pgx's zero LargeObjects, whose calls panic, as the claim's Tx
-		// gives once it has ended.
+	switch err := t.g.enter(); {
+	case err == nil:
+		defer t.g.leave()
+		return t.tx.LargeObjects()
+	case errors.Is(err, ErrBusy):
+		b := &pgx.Batch{}
+		b.BeginTx(pgx.TxOptions{})
+		return pgx.FailedBatchResults(b, nil).Tx().LargeObjects()
+	default:
 		return pgx.LargeObjects{}
 	}
-	if entered {
-		defer t.g.leave()
-	}
-	return t.tx.LargeObjects()
 }
 
 func (t guardedTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
@@ -188,20 +211,31 @@ func (t guardedTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Ro
 	return guardedRow{g: t.g, row: t.tx.QueryRow(ctx, sql, args...)}
 }
 
+// Conn gives the Tx's connection. While another call is in flight the Tx
+// cannot be asked (the claim's Tx may send a statement first), so Conn
+// gives the connection a call gave before, if any (inside a Batch's
+// callback, the one its SendBatch kept), else nil, as the claim's Tx gives
+// while its connection is busy; once the guard is closed, nil.
 func (t guardedTx) Conn() *pgx.Conn {
-	entered, err := t.g.peek()
-	if err != nil {
+	switch err := t.g.enter(); {
+	case err == nil:
+		defer t.g.leave()
+		if !t.shared {
+			return t.tx.Conn()
+		}
+		return t.g.given(t.tx.Conn())
+	case errors.Is(err, ErrBusy) && t.shared:
+		return t.g.conn.Load()
+	default:
 		return nil
 	}
-	if entered {
-		defer t.g.leave()
-	}
-	return t.tx.Conn()
 }
 
 // guardedRows are the Rows of a guardedTx's Query. A call the guard refuses
 // reads as on closed Rows: Next is false, and Err and Scan return the
-// refusal. Its err is the guard's refusal of the Query.
+// refusal. Its err is the guard's refusal of the Query, or of a Next: a
+// Next that returns false ends the rows for its caller, who then reads
+// Err, which must not say nil for rows cut short.
 type guardedRows struct {
 	g    *Guard
 	rows pgx.Rows
@@ -248,7 +282,8 @@ func (r *guardedRows) FieldDescriptions() []pgconn.FieldDescription {
 }
 
 func (r *guardedRows) Next() bool {
-	if r.enter() != nil {
+	if err := r.enter(); err != nil {
+		r.err = err
 		return false
 	}
 	defer r.g.leave()
