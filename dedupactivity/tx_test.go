@@ -633,13 +633,14 @@ func TestTxInABatchCallback(t *testing.T) {
 // on the Tx was in flight ends the Rows with an error, never as if they
 // were all read: an effect that stores how many rows it read commits the
 // full count or fails. The goroutine has stopped by the time the effect
-// reads Err, so only a refusal kept by the Rows can report it.
+// reads Err, so only a refusal kept by the Rows can report it; and their
+// Close then closes them, so the Tx takes statements again.
 func TestTxRowsCutByABusyCall(t *testing.T) {
 	t.Parallel()
 	const total = 200000
 	b := setup(t, dedupactivity.Options{})
 	var read int64
-	var rowsErr error
+	var rowsErr, afterClose error
 	fn := dedupactivity.Wrap(b.d, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
 		rows, err := tx.Query(ctx, `SELECT g FROM generate_series(1, $1::int) g`, total)
 		if err != nil {
@@ -662,7 +663,10 @@ func TestTxRowsCutByABusyCall(t *testing.T) {
 		}
 		close(stop)
 		<-stopped
-		if rowsErr = rows.Err(); rowsErr != nil {
+		rowsErr = rows.Err()
+		rows.Close()
+		_, afterClose = tx.Exec(ctx, `SELECT $1::int`, 1)
+		if rowsErr != nil {
 			return Posting{}, rowsErr
 		}
 		return b.post(ctx, tx, Transfer{Account: "a", Amount: read})
@@ -673,6 +677,7 @@ func TestTxRowsCutByABusyCall(t *testing.T) {
 		require.ErrorContains(t, rowsErr, "conn busy", "the Rows were cut short: their Err says so")
 		require.Error(t, err)
 	}
+	require.NoError(t, afterClose, "Close closed the rows")
 	require.Zero(t, b.count(t, `SELECT count(*) FROM ledger WHERE amount <> $1`, total), "no short count committed")
 }
 

@@ -81,8 +81,9 @@ func (g *Guard) given(c *pgx.Conn) *pgx.Conn {
 }
 
 // Tx returns tx behind g. Its savepoints (Begin) and the Tx of a batch that
-// begins one are behind g too. LargeObjects and Conn give what tx gives,
-// which the guard cannot stand in front of: use them only until Close.
+// begins one are behind g too. What LargeObjects and Conn give (tx's, or,
+// while another call is in flight, see those methods) the guard cannot
+// stand in front of: use it only until Close.
 func (g *Guard) Tx(tx pgx.Tx) pgx.Tx { return guardedTx{g: g, tx: tx, shared: true} }
 
 // guardedTx is a Tx behind a guard. shared says that its connection is the
@@ -124,19 +125,17 @@ func (t guardedTx) Rollback(ctx context.Context) error {
 	return t.tx.Rollback(ctx)
 }
 
-// CopyFrom keeps the Tx's connection first, for a Conn in src, which pgx
-// reads during the call.
 func (t guardedTx) CopyFrom(ctx context.Context, table pgx.Identifier, cols []string, src pgx.CopyFromSource) (int64, error) {
 	if err := t.g.enter(); err != nil {
 		return 0, err
 	}
 	defer t.g.leave()
-	t.keepConn()
 	return t.tx.CopyFrom(ctx, table, cols, src)
 }
 
 // SendBatch keeps the Tx's connection once the batch is sent, for a Conn
-// in a callback, which pgx runs in the BatchResults' calls. A batch that
+// in a callback, which pgx runs in the BatchResults' calls: the Tx is
+// ready for statements by then, so asking sends nothing. A batch that
 // begins a transaction is not sent on the Tx (pgx refuses it there), so
 // nothing is asked of the Tx for it.
 func (t guardedTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
@@ -145,18 +144,10 @@ func (t guardedTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
 	}
 	defer t.g.leave()
 	br := t.tx.SendBatch(ctx, b)
-	if br.Tx() == nil {
-		t.keepConn()
-	}
-	return guardedBatch{g: t.g, br: br}
-}
-
-// keepConn keeps the Tx's connection, if it gives one, while the call
-// holds the guard.
-func (t guardedTx) keepConn() {
-	if t.shared {
+	if br.Tx() == nil && t.shared {
 		t.g.given(t.tx.Conn())
 	}
+	return guardedBatch{g: t.g, br: br}
 }
 
 // LargeObjects gives the Tx's. While another call is in flight it cannot
@@ -214,8 +205,8 @@ func (t guardedTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Ro
 // Conn gives the Tx's connection. While another call is in flight the Tx
 // cannot be asked (the claim's Tx may send a statement first), so Conn
 // gives the connection a call gave before, if any (inside a Batch's
-// callback, the one its SendBatch kept), else nil, as the claim's Tx gives
-// while its connection is busy; once the guard is closed, nil.
+// callback, the one its SendBatch kept), else nil; once the guard is
+// closed, nil.
 func (t guardedTx) Conn() *pgx.Conn {
 	switch err := t.g.enter(); {
 	case err == nil:
@@ -233,24 +224,29 @@ func (t guardedTx) Conn() *pgx.Conn {
 
 // guardedRows are the Rows of a guardedTx's Query. A call the guard refuses
 // reads as on closed Rows: Next is false, and Err and Scan return the
-// refusal. Its err is the guard's refusal of the Query, or of a Next: a
+// refusal. Its err is the guard's refusal of the Query; cut a Next's: a
 // Next that returns false ends the rows for its caller, who then reads
-// Err, which must not say nil for rows cut short.
+// Err, which must not say nil for rows cut short. Close still closes them
+// once it can (cut is set without the guard, hence atomic).
 type guardedRows struct {
 	g    *Guard
 	rows pgx.Rows
 	err  error
+	cut  atomic.Pointer[error]
 }
 
 func (r *guardedRows) enter() error {
 	if r.err != nil {
 		return r.err
 	}
+	if err := r.cut.Load(); err != nil {
+		return *err
+	}
 	return r.g.enter()
 }
 
 func (r *guardedRows) Close() {
-	if r.enter() != nil {
+	if r.err != nil || r.g.enter() != nil {
 		return
 	}
 	defer r.g.leave()
@@ -283,7 +279,7 @@ func (r *guardedRows) FieldDescriptions() []pgconn.FieldDescription {
 
 func (r *guardedRows) Next() bool {
 	if err := r.enter(); err != nil {
-		r.err = err
+		r.cut.CompareAndSwap(nil, &err)
 		return false
 	}
 	defer r.g.leave()
