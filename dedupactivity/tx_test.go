@@ -21,6 +21,18 @@ import (
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 )
 
+// requireOwnedRefusal: err is ErrTxOwned, reported as a non-retryable
+// misuse, and nothing of the attempt committed.
+func requireOwnedRefusal(t *testing.T, b *testBundle, err error) {
+	t.Helper()
+	require.ErrorIs(t, err, dedupactivity.ErrTxOwned)
+	ae := appErr(t, err)
+	require.Equal(t, dedupactivity.ErrTypeInvalidUsage, ae.Type())
+	require.True(t, ae.NonRetryable())
+	require.Zero(t, b.markers(t))
+	require.Zero(t, b.ledgerRows(t))
+}
+
 // TestEffectCannotCommitOrRollBack: the Tx an effect gets refuses Commit and
 // Rollback with ErrTxOwned; an effect that returns that error fails the
 // attempt as a non-retryable misuse, and nothing commits.
@@ -41,12 +53,7 @@ func TestEffectCannotCommitOrRollBack(t *testing.T) {
 				return p, end(ctx, tx)
 			})
 			_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
-			require.ErrorIs(t, err, dedupactivity.ErrTxOwned)
-			ae := appErr(t, err)
-			require.Equal(t, dedupactivity.ErrTypeInvalidUsage, ae.Type())
-			require.True(t, ae.NonRetryable())
-			require.Zero(t, b.markers(t))
-			require.Zero(t, b.ledgerRows(t))
+			requireOwnedRefusal(t, b, err)
 		})
 	}
 }
@@ -93,12 +100,7 @@ func TestEffectCannotBeginATxInABatch(t *testing.T) {
 			_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
 			require.ErrorIs(t, sendErr, dedupactivity.ErrTxOwned)
 			require.ErrorIs(t, commitErr, pgx.ErrTxClosed)
-			require.ErrorIs(t, err, dedupactivity.ErrTxOwned)
-			ae := appErr(t, err)
-			require.Equal(t, dedupactivity.ErrTypeInvalidUsage, ae.Type())
-			require.True(t, ae.NonRetryable())
-			require.Zero(t, b.markers(t))
-			require.Zero(t, b.ledgerRows(t))
+			requireOwnedRefusal(t, b, err)
 		})
 	}
 }
