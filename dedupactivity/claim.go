@@ -101,7 +101,6 @@ func (d *Deduper) claim(ctx context.Context, m *marker, ride bool, fn applyFunc)
 	effectStart := time.Now()
 	a.outcome = OutcomeEffectError // until the effect returns cleanly
 	result, err := func() (_ []byte, err error) {
-		defer tx.close()
 		defer tx.closeOpen() // also on a panic, so the connection can be rolled back and reused
 		defer func() {
 			// A statement of the effect returned the failed claim's error

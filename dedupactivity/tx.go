@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -16,14 +15,14 @@ import (
 )
 
 // claimTx is the pgx.Tx an effect runs in. The claim owns the transaction:
-// Commit and Rollback return ErrTxOwned, and once the attempt ends every
-// method returns pgx.ErrTxClosed, so an effect that keeps the Tx cannot write
+// Commit and Rollback return ErrTxOwned. The effect gets it behind guard
+// (see txguard), which the claim closes when the effect returns: a call a
+// goroutine of the effect has in flight then is waited for, and every later
+// one returns pgx.ErrTxClosed, so an effect that keeps the Tx cannot write
 // outside its event's transaction later (its connection is back in the pool
-// by then, possibly inside another event's transaction). The effect gets it
-// behind guard (see txguard), which the claim closes when the effect
-// returns: a call a goroutine of the effect has in flight then is waited
-// for, and nothing reaches the Tx after, so the claim's own state and
-// connection are its alone from there. Savepoints (Begin) work as in pgx.
+// by then, possibly inside another event's transaction), and the claim's
+// own state and connection are its alone from there. Savepoints (Begin)
+// work as in pgx.
 //
 // On a delivery that may ride (see mayRide), the claim's first round trip is
 // held back until the effect's first statement and sent with it, as a look
@@ -42,15 +41,14 @@ import (
 // with it has run in a transaction that is rolled back: the call returns
 // errDuplicate (or the claim's error), and so does every later call.
 type claimTx struct {
-	d      *Deduper
-	m      *marker
-	ctx    context.Context // the attempt's, for the methods that take none
-	pc     *pgxpool.Conn
-	conn   *pgx.Conn
-	inner  pgx.Tx // a pgx Tx of the claim transaction, made for LargeObjects
-	closed atomic.Bool
-	guard  txguard.Guard // what the effect gets is this Tx behind it
-	depth  int           // savepoints opened so far, for their names
+	d     *Deduper
+	m     *marker
+	ctx   context.Context // the attempt's, for the methods that take none
+	pc    *pgxpool.Conn
+	conn  *pgx.Conn
+	inner pgx.Tx        // a pgx Tx of the claim transaction, made for LargeObjects
+	guard txguard.Guard // what the effect gets is this Tx behind it
+	depth int           // savepoints opened so far, for their names
 
 	start    time.Time // the attempt's start
 	state    claimState
@@ -73,8 +71,6 @@ const (
 )
 
 var _ pgx.Tx = (*claimTx)(nil)
-
-func (t *claimTx) close() { t.closed.Store(true) }
 
 // send sends the claim's first round trip: the claim, or, with q, the look
 // and q; see Deduper.sendClaim. Its outcome is kept: a duplicate or a failed
@@ -109,8 +105,6 @@ func (t *claimTx) send(ctx context.Context, q *pgx.QueuedQuery) (*trip, error) {
 // has bind parameters.
 func (t *claimTx) ready(ctx context.Context, args []any) error {
 	switch {
-	case t.closed.Load():
-		return pgx.ErrTxClosed
 	case t.claimErr != nil:
 		return t.claimErr
 	case t.state == stateNone:
@@ -162,9 +156,7 @@ var (
 // rides says whether a statement with args can carry the claim: it is the
 // first, of a delivery that may ride, and its arguments are positional.
 func (t *claimTx) rides(args []any) bool {
-	// closed first: once the attempt is over nothing rides (the guard
-	// already shuts the effect's goroutines out by then).
-	return !t.closed.Load() && t.ride && t.state == stateNone && positional(args)
+	return t.ride && t.state == stateNone && positional(args)
 }
 
 // positional says whether args are bind parameters only, so that pgx sends
@@ -234,9 +226,6 @@ func (t *claimTx) Commit(context.Context) error { return t.refuse("Commit") }
 func (t *claimTx) Rollback(context.Context) error { return t.refuse("Rollback") }
 
 func (t *claimTx) refuse(method string) error {
-	if t.closed.Load() {
-		return pgx.ErrTxClosed
-	}
 	return fmt.Errorf("%w: the effect called Tx.%s", ErrTxOwned, method)
 }
 
@@ -296,10 +285,10 @@ func (t *claimTx) LargeObjects() pgx.LargeObjects {
 	return t.inner.LargeObjects()
 }
 
-// refused keeps why LargeObjects gave a zero value, during the attempt, for
-// the panic its calls then raise (see claim).
+// refused keeps why LargeObjects gave a zero value for the panic its calls
+// then raise (see claim).
 func (t *claimTx) refused(err error) {
-	if !t.closed.Load() && t.claimErr == nil && t.loErr == nil {
+	if t.claimErr == nil && t.loErr == nil {
 		t.loErr = err
 	}
 }
@@ -372,9 +361,10 @@ func (t *claimTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
 	return t.conn.QueryRow(ctx, sql, args...)
 }
 
-// Conn returns the claim's connection, or nil once the attempt has ended,
-// when the claim found the event applied or failed, and while the effect's
-// Rows are open (the connection is busy then, as pgx says of any call).
+// Conn returns the claim's connection, or nil (as the guard gives once the
+// attempt has ended) when the claim found the event applied or failed, and
+// while the effect's Rows are open (the connection is busy then, as pgx
+// says of any call).
 // After a first statement that rode with the claim, Conn claims the event's
 // key first, as any later statement would. Statements sent on it directly
 // bypass the checks of this Tx.
@@ -479,8 +469,8 @@ func (r txRows) Conn() *pgx.Conn { return r.tx.Conn() }
 
 // savepoint is a savepoint inside the claim transaction. Its Commit releases
 // it and its Rollback rolls back to it, as pgx's nested transactions do; it
-// is closed with the claim and with its parent, which PostgreSQL destroys
-// it with.
+// is closed with its parent, which PostgreSQL destroys it with, and with the
+// claim (by the guard, as the claim's Tx is).
 type savepoint struct {
 	root   *claimTx
 	parent *savepoint // nil for one the claim's Tx began
@@ -494,7 +484,7 @@ func (s *savepoint) live() bool {
 			return false
 		}
 	}
-	return !s.root.closed.Load()
+	return true
 }
 
 func (s *savepoint) Begin(ctx context.Context) (pgx.Tx, error) {
