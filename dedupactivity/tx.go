@@ -363,8 +363,9 @@ func (t *claimTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
 
 // Conn returns the claim's connection, or nil (as the guard gives once the
 // attempt has ended) when the claim found the event applied or failed, and
-// while the effect's Rows are open (the connection is busy then, as pgx
-// says of any call).
+// while the effect's Rows are open before the marker's key went in (after
+// a first statement that rode with the claim: the connection is busy then,
+// as pgx says of any call).
 // After a first statement that rode with the claim, Conn claims the event's
 // key first, as any later statement would. Statements sent on it directly
 // bypass the checks of this Tx.

@@ -11,7 +11,7 @@
 // with the COMMIT, or landing in another transaction of its next user.
 //
 // A call takes the mutex with TryLock, not Lock: a second call while one is
-// in flight fails with ErrBusy, as pgx answers a busy connection, where
+// in flight fails with "conn busy", as pgx answers a busy connection, where
 // waiting would deadlock a callback of the first (a Batch's, a
 // CopyFromSource's) that calls the Tx.
 package txguard
@@ -27,10 +27,10 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
-// ErrBusy is a call on a guarded Tx made while another one of its calls is
+// errBusy is a call on a guarded Tx made while another one of its calls is
 // in flight (from another goroutine, or from a callback of that call), as
 // pgx refuses a second call on a busy connection.
-var ErrBusy = errors.New("dedupactivity: conn busy: another call on the Tx is in flight")
+var errBusy = errors.New("dedupactivity: conn busy: another call on the Tx is in flight")
 
 // Guard guards the Txs its Tx method gives. The zero value is ready to use;
 // a Guard must not be copied after first use.
@@ -49,7 +49,7 @@ func (g *Guard) enter() error {
 		if g.closed.Load() {
 			return pgx.ErrTxClosed
 		}
-		return ErrBusy
+		return errBusy
 	}
 	if g.closed.Load() {
 		g.mu.Unlock()
@@ -80,19 +80,18 @@ func (g *Guard) given(c *pgx.Conn) *pgx.Conn {
 	return c
 }
 
-// Tx returns tx behind g. Its savepoints (Begin) and the Tx of a batch that
-// begins one are behind g too. What LargeObjects and Conn give (tx's, or,
-// while another call is in flight, see those methods) the guard cannot
-// stand in front of: use it only until Close.
-func (g *Guard) Tx(tx pgx.Tx) pgx.Tx { return guardedTx{g: g, tx: tx, shared: true} }
+// Tx returns tx behind g; its savepoints (Begin) are behind g too. tx must
+// refuse a batch that begins a transaction (Batch.BeginTx), as pgx's Txs
+// and the claim's do, so that the Tx of such a batch is a closed one. What
+// LargeObjects and Conn give (tx's, or, while another call is in flight,
+// see those methods) the guard cannot stand in front of: use it only until
+// Close.
+func (g *Guard) Tx(tx pgx.Tx) pgx.Tx { return guardedTx{g: g, tx: tx} }
 
-// guardedTx is a Tx behind a guard. shared says that its connection is the
-// one g keeps (see Conn): true of the Tx g gave and of its savepoints, not
-// of a batch's Tx.
+// guardedTx is a Tx behind a guard.
 type guardedTx struct {
-	g      *Guard
-	tx     pgx.Tx
-	shared bool
+	g  *Guard
+	tx pgx.Tx
 }
 
 var _ pgx.Tx = guardedTx{}
@@ -106,7 +105,7 @@ func (t guardedTx) Begin(ctx context.Context) (pgx.Tx, error) {
 	if err != nil {
 		return nil, err
 	}
-	return guardedTx{g: t.g, tx: sp, shared: t.shared}, nil
+	return guardedTx{g: t.g, tx: sp}, nil
 }
 
 func (t guardedTx) Commit(ctx context.Context) error {
@@ -144,7 +143,7 @@ func (t guardedTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
 	}
 	defer t.g.leave()
 	br := t.tx.SendBatch(ctx, b)
-	if br.Tx() == nil && t.shared {
+	if br.Tx() == nil {
 		t.g.given(t.tx.Conn())
 	}
 	return guardedBatch{g: t.g, br: br}
@@ -160,7 +159,7 @@ func (t guardedTx) LargeObjects() pgx.LargeObjects {
 	case err == nil:
 		defer t.g.leave()
 		return t.tx.LargeObjects()
-	case errors.Is(err, ErrBusy):
+	case errors.Is(err, errBusy):
 		b := &pgx.Batch{}
 		b.BeginTx(pgx.TxOptions{})
 		return pgx.FailedBatchResults(b, nil).Tx().LargeObjects()
@@ -211,11 +210,8 @@ func (t guardedTx) Conn() *pgx.Conn {
 	switch err := t.g.enter(); {
 	case err == nil:
 		defer t.g.leave()
-		if !t.shared {
-			return t.tx.Conn()
-		}
 		return t.g.given(t.tx.Conn())
-	case errors.Is(err, ErrBusy) && t.shared:
+	case errors.Is(err, errBusy):
 		return t.g.conn.Load()
 	default:
 		return nil
@@ -385,12 +381,8 @@ func (b guardedBatch) Close() error {
 	return b.br.Close()
 }
 
-// Tx is the transaction a Batch.BeginTx began, behind the guard. pgx keeps
-// it in the BatchResults from SendBatch on, so reading it needs no call on
-// the connection (and, as in pgx, works inside a callback).
-func (b guardedBatch) Tx() pgx.Tx {
-	if tx := b.br.Tx(); tx != nil {
-		return guardedTx{g: b.g, tx: tx}
-	}
-	return nil
-}
+// Tx is the BatchResults' own: nil, or, for a batch that begins a
+// transaction, which the guarded Tx refused (see Guard.Tx), a closed Tx,
+// which reaches no connection. pgx keeps it from SendBatch on, so reading it
+// needs no call (and, as in pgx, works inside a callback).
+func (b guardedBatch) Tx() pgx.Tx { return b.br.Tx() }
