@@ -121,14 +121,19 @@ func ClaimTx[Out any](ctx context.Context, d *Deduper, tx pgx.Tx, id Identity, i
 		rerr = cerr
 	}
 	// With results discarded every marker holds an empty result, completed
-	// or not: only the connection, which remembers the claims it made and
-	// did not complete, can tell this transaction's own.
-	_, openHere := c.openClaims()[c.m.sum]
+	// or not: only the connection, which remembers the claims made in its
+	// transaction and not completed (ClaimTx's, and that of a wrapper whose
+	// effect this may run in), can tell this transaction's own.
+	openHere := false
+	if conn := tx.Conn(); conn != nil {
+		_, openHere = stateOf(conn).open[c.m.sum] // of the connection's last transaction that claimed
+	}
 	if rerr == nil && found && (st.result == nil || d.opts.DiscardResults && openHere) {
 		// No result yet: the marker may be this very transaction's, from an
-		// earlier ClaimTx of the same event not completed yet (the row's
-		// xmin says so, or, when that claim ran in a savepoint, whose
-		// subtransaction wrote the row, the connection remembers it).
+		// earlier claim of the same event not completed yet (a ClaimTx's,
+		// or the wrapper's whose effect this runs in): the row's xmin says
+		// so, or, when that claim ran in a savepoint, whose subtransaction
+		// wrote the row, the connection remembers it.
 		var xact *string
 		if err := tx.QueryRow(ctx, currentXactSQL).Scan(&xact); err == nil && xact != nil &&
 			(st.result == nil && sameXact(*xact, st.xmin) || tx.Conn() != nil && stateOf(tx.Conn()).claimedOpen(c.m.sum, *xact)) {
@@ -146,15 +151,6 @@ func ClaimTx[Out any](ctx context.Context, d *Deduper, tx pgx.Tx, id Identity, i
 		}
 	}
 	return c, nil
-}
-
-// openClaims are the claims ClaimTx made on the connection of c's tx and
-// did not complete (see connState.claimOpen); nil without a connection.
-func (c *Claim[Out]) openClaims() map[[32]byte]string {
-	if conn := c.tx.Conn(); conn != nil {
-		return stateOf(conn).open
-	}
-	return nil
 }
 
 // Outcome says what the claim found: OutcomeClaimed (apply the effect, then
@@ -209,7 +205,7 @@ func (c *Claim[Out]) Complete(ctx context.Context, result Out) error {
 	// this goroutine's (after Commit or Rollback a pool may have handed it
 	// to another, and the batch above failed).
 	if conn := c.tx.Conn(); conn != nil {
-		delete(stateOf(conn).open, c.m.sum)
+		stateOf(conn).completed(c.m.sum)
 	}
 	return nil
 }

@@ -271,3 +271,111 @@ func TestClaimTxRefusesThePartitionedLayout(t *testing.T) {
 	require.NoError(t, tx.Rollback(ctx))
 	require.Zero(t, b.markers(t))
 }
+
+// TestClaimTxOfTheEnclosingEvent: a ClaimTx, inside an effect, of the event
+// that effect is applying is refused as claimed in this transaction, with
+// results stored or discarded, whether the enclosing claim went first (a
+// business key) or rode (a run-scoped first attempt: the ClaimTx's batch
+// inserts the key first). With results discarded it was a duplicate: the
+// effect skipped its writes and the enclosing claim committed a marker
+// with no effect.
+func TestClaimTxOfTheEnclosingEvent(t *testing.T) {
+	t.Parallel()
+	for _, discard := range []bool{false, true} {
+		b := setup(t, dedupactivity.Options{DiscardResults: discard})
+		for _, id := range []dedupactivity.Identity{
+			{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "enclosing"},
+			{Kind: dedupactivity.KindActivity, Namespace: "default", WorkflowID: "w", RunID: "r", ActivityID: "1"},
+		} {
+			ctx := context.Background()
+			in := Transfer{Account: "a", Amount: 1}
+			_, _, err := dedupactivity.Do(ctx, b.d, id, in, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+				c, err := dedupactivity.ClaimTx[Posting](ctx, b.d, tx, id, in)
+				if err != nil {
+					return Posting{}, err
+				}
+				if c.Outcome() != dedupactivity.OutcomeClaimed {
+					return c.Stored(), nil // what a caller does with a duplicate
+				}
+				return b.post(ctx, tx, in)
+			})
+			require.ErrorContains(t, err, "already claimed in this transaction", "results discarded: %v, %s", discard, id.Kind)
+			require.Zero(t, b.markers(t), "results discarded: %v, %s: nothing committed", discard, id.Kind)
+			require.Zero(t, b.ledgerRows(t))
+		}
+	}
+}
+
+// TestClaimTxManyClaimsInOneTransaction: an open claim of a transaction is
+// known as such however many other claims the transaction made; the
+// connection forgot every open claim after 256, and claiming the first
+// event again, whose claim a savepoint could still roll back, was then a
+// duplicate (results discarded) or ErrTxEnded.
+func TestClaimTxManyClaimsInOneTransaction(t *testing.T) {
+	t.Parallel()
+	for _, discard := range []bool{false, true} {
+		b := setup(t, dedupactivity.Options{DiscardResults: discard})
+		ctx := context.Background()
+		id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "first"}
+		in := Transfer{Account: "a", Amount: 1}
+		tx, err := b.pool.Begin(ctx)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = tx.Rollback(ctx) })
+		sp, err := tx.Begin(ctx)
+		require.NoError(t, err)
+		c, err := dedupactivity.ClaimTx[Posting](ctx, b.d, sp, id, in)
+		require.NoError(t, err)
+		require.Equal(t, dedupactivity.OutcomeClaimed, c.Outcome())
+		for i := range 300 {
+			other := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: fmt.Sprint("other-", i)}
+			_, err := dedupactivity.ClaimTx[Posting](ctx, b.d, tx, other, in)
+			require.NoError(t, err)
+		}
+		_, err = dedupactivity.ClaimTx[Posting](ctx, b.d, tx, id, in)
+		require.ErrorContains(t, err, "already claimed in this transaction", "results discarded: %v", discard)
+		require.NoError(t, tx.Rollback(ctx))
+	}
+}
+
+// TestCompleteOfAClaimRolledBackBySQL: Complete updates its own event's
+// marker, not whichever row took its place: a claim undone by ROLLBACK TO
+// SAVEPOINT sent as SQL (as an ORM sends it) left a ctid that VACUUM gave
+// to the next event's marker, and the stale Complete wrote its result
+// there.
+func TestCompleteOfAClaimRolledBackBySQL(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	ctx := context.Background()
+	e1 := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "E1"}
+	e2 := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "E2"}
+	tx, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = tx.Rollback(ctx) })
+	ctidOf := func(id dedupactivity.Identity) string {
+		var ctid string
+		require.NoError(t, tx.QueryRow(ctx, `SELECT ctid::text FROM dedup_marker WHERE id_hash = $1`, hashOf(id)).Scan(&ctid))
+		return ctid
+	}
+	_, err = tx.Exec(ctx, `SAVEPOINT s`)
+	require.NoError(t, err)
+	c1, err := dedupactivity.ClaimTx[string](ctx, b.d, tx, e1, 1)
+	require.NoError(t, err)
+	ctid1 := ctidOf(e1)
+	_, err = tx.Exec(ctx, `ROLLBACK TO SAVEPOINT s`)
+	require.NoError(t, err)
+	_, err = b.pool.Exec(ctx, `VACUUM dedup_marker`)
+	require.NoError(t, err)
+	c2, err := dedupactivity.ClaimTx[string](ctx, b.d, tx, e2, 2)
+	require.NoError(t, err)
+	require.Equal(t, ctid1, ctidOf(e2), "the test's premise: E2's marker took E1's place")
+
+	require.ErrorIs(t, c1.Complete(ctx, "result of E1"), dedupactivity.ErrTxEnded)
+	require.NoError(t, c2.Complete(ctx, "result of E2"))
+	require.NoError(t, tx.Commit(ctx))
+	var got string
+	found, err := b.d.Result(ctx, e2, &got)
+	require.NoError(t, err)
+	require.True(t, found)
+	require.Equal(t, "result of E2", got)
+	require.Equal(t, int64(1), b.markers(t))
+}

@@ -93,9 +93,11 @@ type store struct {
 	// the look locks its marker's partition alone. The effect's statements
 	// are planned as the session plans them.
 	lookPlans *stmt
-	// complete stores the result in the marker, found by its ctid, after
-	// checking, as guard does, that the transaction is still the claim's,
-	// and that the table is (see store). The checks are an uncorrelated
+	// complete stores the result in the marker, found by its ctid and
+	// checked by its key (the claim may have been rolled back to a
+	// savepoint, and its ctid given to another event's marker since),
+	// after checking, as guard does, that the transaction is still the
+	// claim's, and that the table is (see store). The checks are an uncorrelated
 	// subquery, so a one-time filter that runs whether or not the marker
 	// row is found.
 	complete *stmt
@@ -149,11 +151,11 @@ type store struct {
 
 func newStore(table, ended, moved string, partitioned bool, defaultPartition string, retention time.Duration) *store {
 	keyCol, keyVal, completeCond, keyCond, pruned := ``, ``, ``, ``, table
-	lastOID, completeOID := `$8`, `$4` // the parameter of the claim's table OID
+	lastOID, completeOID, completeKey := `$8`, `$4`, `$5` // the parameters of the claim's table OID, and of complete's key
 	if partitioned {
 		keyCol, keyVal, pruned = `, scheduled_at`, `, $8::timestamptz`, defaultPartition
 		completeCond, keyCond = ` AND scheduled_at = $4`, ` AND scheduled_at = $2`
-		lastOID, completeOID = `$9`, `$5`
+		lastOID, completeOID, completeKey = `$9`, `$5`, `$6`
 	}
 	// self is the OID of the table the name resolves to, under the
 	// statement's search_path (a prepared statement is planned again when
@@ -180,10 +182,10 @@ RETURNING ctid, pg_current_xact_id()::text, set_config('lock_timeout', current_s
 SELECT $1::bytea, $2::int4, $3::timestamptz, $4::text, $5::bytea, $6::bytea`+keyVal+`
 WHERE set_config('lock_timeout', $7, true) IS NOT NULL AND CASE WHEN `+self+` = `+lastOID+`::oid THEN true ELSE `+moved+`() END`, slices.Concat(marker, []uint32{oidOID})...),
 		restoreLockTimeout: `SELECT set_config('lock_timeout', current_setting('dedupactivity.lock_timeout'), true)`,
-		complete: newStmt(`UPDATE `+table+` SET result = $2 WHERE ctid = $1`+completeCond+` AND (SELECT CASE
+		complete: newStmt(`UPDATE `+table+` SET result = $2 WHERE ctid = $1`+completeCond+` AND id_hash = `+completeKey+` AND (SELECT CASE
 	WHEN pg_current_xact_id() <> $3::text::xid8 THEN `+ended+`()
 	WHEN `+self+` <> `+completeOID+`::oid THEN `+moved+`()
-	ELSE true END)`, slices.Concat(completeParams, []uint32{oidOID})...),
+	ELSE true END)`, slices.Concat(completeParams, []uint32{oidOID, oidBytea})...),
 		guard: newStmt(`SELECT CASE WHEN pg_current_xact_id() = $1::text::xid8 THEN true ELSE `+ended+`() END`, oidText),
 		// bytea read as hex text: pgx decodes bytea text only in the hex
 		// output format, and ClaimTx's statements on a connection of pgx's
@@ -415,7 +417,8 @@ func sameXact(xact, xmin string) bool {
 // already committed (a duplicate); when true, m.ctid and m.xact are the new
 // row's and its transaction's, and m.table its table's. A key inserted into
 // another table than the look read (the effect changed search_path between
-// the two) is ErrSearchPathChanged.
+// the two) is ErrSearchPathChanged. The connection then remembers the
+// claim as open (see connState.claimOpen).
 func (s *store) claimed(t *trip, m *marker) (bool, error) {
 	var ctid pgtype.TID
 	var xact string
@@ -431,7 +434,11 @@ func (s *store) claimed(t *trip, m *marker) (bool, error) {
 	if err != nil || !found {
 		return false, err
 	}
-	return true, m.claimedAs(ctid, xact, table)
+	if err := m.claimedAs(ctid, xact, table); err != nil {
+		return false, err
+	}
+	t.s.claimOpen(m.sum, xact) // so that a ClaimTx of the event in the effect is refused
+	return true, nil
 }
 
 // claimedAs records the row the claim inserted: its ctid, its transaction
@@ -457,7 +464,7 @@ func (s *store) addComplete(t *trip, m *marker, storeResult bool) {
 	}
 	t.tid(m.ctid).bytea(m.result).text(m.xact)
 	s.scheduledAt(t, m)
-	t.oid(m.table)
+	t.oid(m.table).bytea(m.sum[:])
 	t.add(s.complete)
 }
 
@@ -618,7 +625,7 @@ func (s *store) queueComplete(b *pgx.Batch, m *marker, storeResult bool) {
 		b.Queue(s.guard.sql, m.xact)
 		return
 	}
-	b.Queue(s.complete.sql, m.ctid, m.result, m.xact, m.table)
+	b.Queue(s.complete.sql, m.ctid, m.result, m.xact, m.table, m.sum[:])
 }
 
 func readComplete(br pgx.BatchResults) (bool, error) {

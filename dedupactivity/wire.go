@@ -91,11 +91,13 @@ type connState struct {
 	// server reads as SQL): they do not ride on this connection, so a
 	// failing Parse is not sent with every delivery.
 	refused map[string]bool
-	// open are the events ClaimTx claimed on the connection and did not
-	// Complete yet, each with its top-level transaction (see claimOpen).
-	open map[[32]byte]string
-	eqb  pgx.ExtendedQueryBuilder
-	trip trip // reused: a connection runs one round trip at a time
+	// open are the events claimed in the transaction openXact (the
+	// connection's last to claim one) and not completed yet (see
+	// claimOpen).
+	open     map[[32]byte]struct{}
+	openXact string
+	eqb      pgx.ExtendedQueryBuilder
+	trip     trip // reused: a connection runs one round trip at a time
 }
 
 // prepared is a statement prepared on the connection, and the prepare call
@@ -124,29 +126,38 @@ func stateOf(conn *pgx.Conn) *connState {
 	return s
 }
 
-// maxOpen bounds connState.open: entries of transactions that ended
-// without Complete (rolled back) match no later transaction, so dropping
-// them all costs nothing but the clearer error for one of a transaction's
-// own claims.
-const maxOpen = 256
-
-// claimOpen remembers that ClaimTx claimed the event sum in the top-level
-// transaction xact, so that claiming it again in that transaction before
-// Complete is said plainly, also when the first claim ran in a savepoint
-// (whose subtransaction, not xact, is then the marker row's xmin).
+// claimOpen remembers that the event sum was claimed in the top-level
+// transaction xact, by ClaimTx or by a wrapper's claim that inserted the
+// key before its effect, so that ClaimTx of that event again in that
+// transaction before Complete is said plainly, also when the first claim
+// ran in a savepoint (whose subtransaction, not xact, is then the marker
+// row's xmin) or results are discarded (the row's empty result then reads
+// as completed). Only the last transaction's claims are kept: a
+// connection runs one transaction at a time, so the others ended.
 func (s *connState) claimOpen(sum [32]byte, xact string) {
-	if s.open == nil || len(s.open) >= maxOpen {
-		s.open = make(map[[32]byte]string)
+	if xact != s.openXact {
+		if len(s.open) > 64 {
+			s.open = nil // a large transaction's: let it go
+		}
+		clear(s.open)
+		s.openXact = xact
 	}
-	s.open[sum] = xact
+	if s.open == nil {
+		s.open = make(map[[32]byte]struct{})
+	}
+	s.open[sum] = struct{}{}
 }
 
-// claimedOpen says whether ClaimTx claimed the event sum in the top-level
-// transaction xact and it was not completed.
+// claimedOpen says whether the event sum was claimed in the top-level
+// transaction xact and not completed.
 func (s *connState) claimedOpen(sum [32]byte, xact string) bool {
-	x, ok := s.open[sum]
-	return ok && x == xact
+	_, ok := s.open[sum]
+	return ok && xact == s.openXact
 }
+
+// completed forgets the open claim of the event sum, completed in the
+// transaction it was claimed in.
+func (s *connState) completed(sum [32]byte) { delete(s.open, sum) }
 
 // described is the description of the statement sql prepared on the
 // connection, or nil.
