@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -353,11 +354,15 @@ func TestConverterRefusalAtTheEdge(t *testing.T) {
 }
 
 // unreadableConverter is the default converter, except that it cannot
-// decode a Posting (a codec whose key is gone, a type changed since).
-type unreadableConverter struct{ converter.DataConverter }
+// decode a Posting once gone is set (a codec whose key is gone since, a
+// type changed since).
+type unreadableConverter struct {
+	converter.DataConverter
+	gone *atomic.Bool
+}
 
 func (c unreadableConverter) FromPayload(p *commonpb.Payload, v any) error {
-	if _, ok := v.(*Posting); ok {
+	if _, ok := v.(*Posting); ok && c.gone.Load() {
 		return errors.New("cannot decrypt: key unavailable")
 	}
 	return c.DataConverter.FromPayload(p, v)
@@ -371,10 +376,12 @@ func (c unreadableConverter) FromPayload(p *commonpb.Payload, v any) error {
 // reads it again.
 func TestStoredResultUnreadableIsRetryable(t *testing.T) {
 	t.Parallel()
-	b := setup(t, dedupactivity.Options{DataConverter: unreadableConverter{converter.GetDefaultDataConverter()}})
+	gone := new(atomic.Bool)
+	b := setup(t, dedupactivity.Options{DataConverter: unreadableConverter{converter.GetDefaultDataConverter(), gone}})
 	fn := dedupactivity.Wrap(b.d, b.post, dedupactivity.WithBusinessKey(func(in Transfer) (string, error) { return "once", nil }))
 	_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
-	require.NoError(t, err, "the first delivery encodes its result, which works")
+	require.NoError(t, err)
+	gone.Store(true)
 	_, err = deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
 	require.ErrorIs(t, err, dedupactivity.ErrEncoding)
 	f := temporal.GetDefaultFailureConverter().ErrorToFailure(err)

@@ -164,13 +164,14 @@ func (c *Claim[Out]) Outcome() Outcome { return c.outcome }
 // converter decodes it from what was stored, which is what a duplicate
 // gets: return it, not your own value, for both to return one value (a
 // converter's round trip changes some: an int64 in an any comes back a
-// float64). It is the value passed to Complete when results are discarded
-// or the converter cannot decode it.
+// float64). It is the value passed to Complete when results are discarded.
 func (c *Claim[Out]) Stored() Out { return c.stored }
 
 // Complete records the effect's result in the marker, in the claim's
 // transaction; commit the transaction after it. It fails with ErrNotClaimed
-// on a duplicate or after a Complete that succeeded, with pgx.ErrTxClosed
+// on a duplicate or after a Complete that succeeded, with ErrEncoding (and
+// nothing stored) when the data converter cannot encode result or decode
+// what it encoded (a duplicate could not read it), with pgx.ErrTxClosed
 // after tx was committed or rolled back, and with ErrTxEnded when SQL sent
 // on tx ended the claim's transaction (another now runs there). One that
 // failed may be called again (it fails again once the transaction is
@@ -181,6 +182,10 @@ func (c *Claim[Out]) Complete(ctx context.Context, result Out) error {
 	}
 	dc := c.d.resultConverter(ctx, c.info, c.id)
 	b, err := c.d.encodeResult(dc, result)
+	if err != nil {
+		return err
+	}
+	stored, err := asStored(dc, b, result) // as a duplicate gets it (see Stored)
 	if err != nil {
 		return err
 	}
@@ -199,8 +204,7 @@ func (c *Claim[Out]) Complete(ctx context.Context, result Out) error {
 		return fmt.Errorf("%w: the marker row was changed in the transaction", ErrTxEnded)
 	}
 	c.done = true // only now: one that failed (its context done before it was sent, say) may be called again
-	// As a duplicate gets it (see Stored).
-	c.stored = asStored(dc, b, result)
+	c.stored = stored
 	// The transaction is the claim's and still open, so its connection is
 	// this goroutine's (after Commit or Rollback a pool may have handed it
 	// to another, and the batch above failed).

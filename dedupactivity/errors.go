@@ -41,7 +41,8 @@ var (
 	ErrResultTooLarge = errors.New("dedupactivity: encoded result too large to store")
 
 	// ErrEncoding is returned when the data converter cannot encode an input
-	// or a result, or cannot decode a stored result. At the activity edge it
+	// or a result, or cannot decode a stored result (also a first
+	// delivery's, read back before it commits). At the activity edge it
 	// is an ApplicationError of type ErrTypeEncoding: non-retryable for an
 	// input or a result (the effect is rolled back), retryable for a
 	// duplicate's stored result (the effect is applied); either way the

@@ -122,16 +122,19 @@ func writePayload(p *commonpb.Payload) ([]byte, bool) {
 // asStored returns v, an effect's result, as a duplicate gets it: decoded
 // from b, the bytes stored for it, since a converter's round trip changes
 // some values (an int64 in an any comes back a float64, an empty []byte
-// nil). v itself when nothing was stored (results discarded) or the
-// converter cannot decode b (a duplicate then fails on it).
-func asStored[T any](dc converter.DataConverter, b []byte, v T) T {
-	if len(b) > 0 {
-		var out T
-		if decodeResult(dc, b, &out) == nil {
-			return out
-		}
+// nil); v itself when nothing is stored (results discarded). It fails
+// (ErrEncoding) when the converter cannot decode b (a non-empty interface,
+// a type whose decoding refuses its own encoding): every duplicate would
+// fail on it, so the first delivery fails instead, before it stores b.
+func asStored[T any](dc converter.DataConverter, b []byte, v T) (T, error) {
+	if len(b) == 0 {
+		return v, nil
 	}
-	return v
+	var out T
+	if err := decodeResult(dc, b, &out); err != nil {
+		return v, fmt.Errorf("%w (the result could not be read back as a duplicate reads it)", err)
+	}
+	return out, nil
 }
 
 // decodeResult decodes a stored result into out (a pointer).

@@ -2,11 +2,13 @@ package dedupactivity_test
 
 import (
 	"context"
+	"fmt"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 	"go.temporal.io/sdk/activity"
+	"go.temporal.io/sdk/temporal"
 	"go.temporal.io/sdk/testsuite"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
@@ -104,4 +106,55 @@ func TestClaimTxStoredAfterComplete(t *testing.T) {
 	require.Equal(t, dedupactivity.OutcomeDuplicate, outcome)
 	require.Equal(t, map[string]any{"n": float64(1<<53 + 1)}, first)
 	require.Equal(t, first, again, "first %#v, duplicate %#v", first, again)
+}
+
+// label is a result held in an interface the converter cannot decode into.
+type label struct{ S string }
+
+func (l label) String() string { return l.S }
+
+// TestResultThatCannotBeDecodedBack: a first delivery whose result the
+// converter encodes but cannot decode (here a non-empty interface, which
+// JSON cannot fill) fails before it commits, non-retryable at the activity
+// edge as a result it cannot encode, with nothing applied: its every
+// duplicate would have failed to read the stored result (retryable), so
+// retries went on until the activity's ScheduleToClose with the effect
+// applied. ClaimTx's Complete refuses it the same way, storing nothing.
+func TestResultThatCannotBeDecodedBack(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	effect := func(ctx context.Context, tx pgx.Tx, in Transfer) (fmt.Stringer, error) {
+		if _, err := b.post(ctx, tx, in); err != nil {
+			return nil, err
+		}
+		return label{"posted"}, nil
+	}
+	for _, id := range []dedupactivity.Identity{
+		{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "stringer"},
+		{Kind: dedupactivity.KindActivity, Namespace: "default", WorkflowID: "w", RunID: "r", ActivityID: "1"}, // rides
+	} {
+		_, _, err := dedupactivity.Do(context.Background(), b.d, id, Transfer{Account: "a", Amount: 1}, effect)
+		require.ErrorIs(t, err, dedupactivity.ErrEncoding, id.Kind)
+		require.ErrorContains(t, err, "fmt.Stringer")
+	}
+	fn := dedupactivity.Wrap(b.d, effect)
+	_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
+	f := temporal.GetDefaultFailureConverter().ErrorToFailure(err)
+	require.Equal(t, dedupactivity.ErrTypeEncoding, f.GetApplicationFailureInfo().GetType(), "%v", err)
+	require.True(t, f.GetApplicationFailureInfo().GetNonRetryable())
+
+	ctx := context.Background()
+	tx, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	c, err := dedupactivity.ClaimTx[fmt.Stringer](ctx, b.d, tx, dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "claimtx"}, 1)
+	require.NoError(t, err)
+	require.ErrorIs(t, c.Complete(ctx, label{"posted"}), dedupactivity.ErrEncoding)
+	var stored bool
+	require.NoError(t, tx.QueryRow(ctx, `SELECT result IS NOT NULL FROM dedup_marker`).Scan(&stored))
+	require.False(t, stored, "Complete stored nothing")
+	require.NoError(t, tx.Rollback(ctx))
+
+	require.Zero(t, b.ledgerRows(t), "nothing applied")
+	require.Zero(t, b.markers(t))
 }

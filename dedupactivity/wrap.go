@@ -115,7 +115,7 @@ func WithRetention(d time.Duration) WrapOption {
 // Errors reach Temporal as follows: the effect's own errors unchanged; a
 // rejected payload mismatch, an invalid call (not an activity context, empty
 // business key, an effect that ended the transaction) and values the data
-// converter cannot encode as non-retryable ApplicationErrors (ErrType*
+// converter cannot encode (or decode back) as non-retryable ApplicationErrors (ErrType*
 // constants); a claim timeout, and a duplicate's stored result the
 // converter cannot decode, as retryable ones; database errors as they are
 // (retryable).
@@ -276,8 +276,12 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 		if err != nil {
 			return nil, effectError{err}
 		}
-		claimedOut = o
-		return w.d.encodeResult(dc, o)
+		b, err := w.d.encodeResult(dc, o)
+		if err != nil {
+			return nil, err
+		}
+		claimedOut, err = asStored(dc, b, o) // what a duplicate returns
+		return b, err
 	})
 	if err != nil {
 		if ee := (effectError{}); errors.As(err, &ee) {
@@ -286,7 +290,7 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 		return out, a, err
 	}
 	if a.outcome == OutcomeClaimed {
-		return asStored(dc, m.result, claimedOut), a, nil // what a duplicate returns
+		return claimedOut, a, nil
 	}
 	if len(a.result) == 0 {
 		return out, a, nil // results are not stored: the zero value
