@@ -158,8 +158,9 @@ const fingerprintVersion = 1
 // (not the Deduper's, so an encrypting codec with random nonces cannot cause
 // false mismatches). A JSON encoding is first put in a canonical form that
 // drops object members whose value is null, false, 0, "", [] or {} and sorts
-// the rest, so inputs that differ only by fields left at their zero value,
-// or by member order, fingerprint equal (see WithBusinessKey).
+// the rest (and reads a zero input itself as null), so inputs that differ
+// only by fields left at their zero value, or by member order, fingerprint
+// equal (see WithBusinessKey).
 func fingerprint(in any) ([]byte, error) {
 	p, err := converter.GetDefaultDataConverter().ToPayload(in)
 	if err != nil {
@@ -167,6 +168,11 @@ func fingerprint(in any) ([]byte, error) {
 	}
 	encoding := p.GetMetadata()[converter.MetadataEncoding]
 	data := p.GetData()
+	if string(encoding) == converter.MetadataEncodingNil {
+		// A nil pointer, as JSON encodes it: equal to its zero value's
+		// JSON, as a member is.
+		encoding, data = []byte(converter.MetadataEncodingJSON), []byte("null")
+	}
 	if e := string(encoding); e == converter.MetadataEncodingJSON || e == converter.MetadataEncodingProtoJSON {
 		if canon, err := canonicalJSON(data); err == nil {
 			data = canon
@@ -182,7 +188,10 @@ func fingerprint(in any) ([]byte, error) {
 
 // canonicalJSON re-encodes a JSON document with object members sorted and
 // members whose value is a zero value dropped (at every depth; array
-// elements are kept, since their position matters). Numbers keep their text.
+// elements are kept, since their position matters), and a document that is
+// a zero value itself as null, as a member would be (a nil slice and an
+// empty one, which a workflow sends as null and [], are one input). Numbers
+// keep their text.
 func canonicalJSON(data []byte) ([]byte, error) {
 	dec := json.NewDecoder(bytes.NewReader(data))
 	dec.UseNumber()
@@ -190,7 +199,10 @@ func canonicalJSON(data []byte) ([]byte, error) {
 	if err := dec.Decode(&v); err != nil {
 		return nil, err
 	}
-	return json.Marshal(dropZero(v))
+	if v = dropZero(v); isZeroJSON(v) {
+		v = nil
+	}
+	return json.Marshal(v)
 }
 
 func dropZero(v any) any {

@@ -231,3 +231,20 @@ func TestBusinessKeyScopedByNamespace(t *testing.T) {
 	require.Equal(t, int64(3), b.ledgerRows(t))
 	require.Equal(t, int64(3), b.markers(t))
 }
+
+// TestFingerprintTopLevelZero: an input that is itself null, [] or {} (a
+// nil or empty slice or map, which a workflow sends as null or as [] or
+// {}) fingerprints as its members do, all equal; a non-zero one does not.
+func TestFingerprintTopLevelZero(t *testing.T) {
+	t.Parallel()
+	fp := func(in any) []byte {
+		f, err := dedupactivity.Fingerprint(in)
+		require.NoError(t, err)
+		return f
+	}
+	require.Equal(t, fp([]string(nil)), fp([]string{}))
+	require.Equal(t, fp(map[string]int(nil)), fp(map[string]int{}))
+	require.Equal(t, fp((*Transfer)(nil)), fp(&Transfer{}), "a nil pointer, as a member is")
+	require.NotEqual(t, fp([]string{}), fp([]string{""}))
+	require.NotEqual(t, fp(map[string]int{}), fp(map[string]int{"a": 1}))
+}

@@ -70,11 +70,15 @@ type wrapConfig struct {
 // payload mismatch (see Options.MismatchPolicy). Two inputs are the same
 // when their JSON encodings (as the default data converter makes them) are
 // equal after object members whose value is null, false, 0, "", [] or {} are
-// dropped and member order is ignored. So adding a field to the input
-// struct, or omitempty, changes nothing for inputs that leave it at a zero
-// value whose JSON is one of these. A zero time.Time (JSON
-// "0001-01-01T00:00:00Z") or a zero array ([0,0,...]) is not: such a field
-// added is a different input.
+// dropped and member order is ignored (an input that is itself one of these
+// is null: a nil slice and an empty one are the same input). So adding a
+// field to the input struct, or omitempty, changes nothing for inputs that
+// leave it at a zero value whose JSON is one of these. A zero time.Time
+// (JSON "0001-01-01T00:00:00Z"), a zero array ([0,0,...]) or a value whose
+// zero text is not empty (a uuid.UUID's, a decimal's "0.0") is not: such a
+// field added is a different input. Nor is the same instant in another time
+// zone (its JSON keeps the offset), or a field removed from the struct that
+// inputs set.
 //
 // An error from key fails the attempt before anything is claimed (it is
 // traced and counted as OutcomeError, with its error.type). A
@@ -184,8 +188,11 @@ func newWrapper[In, Out any](d *Deduper, fn EffectFunc[In, Out], opts []WrapOpti
 // return the result as the data converter decodes it from what was stored,
 // so a first delivery and a duplicate return equal values (a wrapped
 // activity's too); with Options.DiscardResults a first delivery returns
-// fn's value and a duplicate the zero value. WithBusinessKey does not apply (id
-// is the identity) and is refused. Outside an activity a run-scoped id
+// fn's value and a duplicate the zero value. Inputs are compared for a
+// KindBusinessKey id only, as for a wrapped activity, whose run-scoped
+// input Temporal's history fixes: under a run-scoped id of your own, a
+// delivery with another input is a duplicate, and returns the first one's
+// result. WithBusinessKey does not apply (id is the identity) and is refused. Outside an activity a run-scoped id
 // (KindActivity, KindStandalone) is taken for a first attempt: its claim
 // rides with fn's first statement (see Round trips in the package
 // documentation); for work that is often delivered again, such as a queue
