@@ -29,7 +29,14 @@
 // count their IDs separately) and standalone activities (no workflow; their
 // activity run ID is used). Retries of one scheduled activity share the
 // identity; continue-as-new, workflow retry, cron and reset start a new run
-// whose activities are new events. An ActivityOptions.ActivityID that a
+// whose activities are new events. A local activity's retry after a backoff
+// longer than the workflow task timeout (10s by default) is not one of
+// those: the SDK waits it out with a timer and schedules the retry under a
+// new local activity ID, a new event, so an attempt that committed its
+// effect and then failed is applied again. Give such local activities
+// WithBusinessKey, or a RetryPolicy whose MaximumInterval is within the
+// workflow task timeout, whose retries keep their ID. (Temporal's test
+// environment retries every local activity through a timer.) An ActivityOptions.ActivityID that a
 // workflow sets and reuses in one run (Temporal allows it once the earlier
 // activity closed) is the earlier activity's identity: the second activity
 // is taken for its duplicate and applies nothing, so give each activity its

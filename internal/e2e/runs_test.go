@@ -3,14 +3,15 @@ package e2e
 import (
 	"context"
 	"errors"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	commonpb "go.temporal.io/api/common/v1"
 	enumspb "go.temporal.io/api/enums/v1"
 	"go.temporal.io/api/workflowservice/v1"
+	"go.temporal.io/sdk/activity"
 	"go.temporal.io/sdk/client"
 	"go.temporal.io/sdk/temporal"
 	"go.temporal.io/sdk/worker"
@@ -29,6 +30,77 @@ func registerRuns(r worker.Registry, d *dedupactivity.Deduper, pool *pgxpool.Poo
 		dedupactivity.WithBusinessKey(func(p activities.Posting) (string, error) { return p.TransferID, nil }))
 	r.RegisterWorkflowWithOptions(twoDebitsWorkflow, workflow.RegisterOptions{Name: "TwoDebits"})
 	r.RegisterWorkflowWithOptions(localAndRegularWorkflow, workflow.RegisterOptions{Name: "LocalAndRegular"})
+
+	debit := dedupactivity.Wrap(d, activities.DebitEffect)
+	debitOnce := dedupactivity.Wrap(d, activities.DebitEffect,
+		dedupactivity.WithBusinessKey(func(p activities.Posting) (string, error) { return p.TransferID, nil }))
+	r.RegisterActivityWithOptions(func(ctx context.Context, in localRetryInput) (activities.Receipt, error) {
+		fn := debit
+		if in.BusinessKey {
+			fn = debitOnce
+		}
+		rc, err := fn(ctx, in.Posting)
+		if err == nil && activity.GetInfo(ctx).Attempt == 1 {
+			return rc, errors.New("failed after its effect committed") // a later step of the activity, say
+		}
+		return rc, err
+	}, activity.RegisterOptions{Name: debitThenFailName})
+	r.RegisterWorkflowWithOptions(localRetryWorkflow, workflow.RegisterOptions{Name: "LocalRetry"})
+}
+
+// DebitThenFail debits through Debit's effect, run-scoped or with the
+// transfer ID as business key, and fails its first attempt after the
+// effect committed.
+const debitThenFailName = "DebitThenFail"
+
+type localRetryInput struct {
+	Posting     activities.Posting
+	BusinessKey bool
+	Backoff     time.Duration
+}
+
+// localRetryWorkflow runs DebitThenFail as a local activity whose retry
+// waits in.Backoff.
+func localRetryWorkflow(ctx workflow.Context, in localRetryInput) error {
+	ctx = workflow.WithLocalActivityOptions(ctx, workflow.LocalActivityOptions{
+		StartToCloseTimeout: 10 * time.Second,
+		RetryPolicy:         &temporal.RetryPolicy{InitialInterval: in.Backoff, BackoffCoefficient: 1, MaximumAttempts: 2},
+	})
+	return workflow.ExecuteLocalActivity(ctx, debitThenFailName, in).Get(ctx, nil)
+}
+
+// TestLocalActivityRetries: a local activity retried within its workflow
+// task (a backoff up to the WorkflowTaskTimeout) keeps its activity ID, so
+// its retry is a duplicate of the attempt that committed; one retried
+// through a workflow timer (a longer backoff) gets a new local activity ID
+// from the SDK, so under its run-scoped identity the retry is a new event
+// and the effect is applied again: the limit doc.go states, for which
+// WithBusinessKey (or a RetryPolicy whose MaximumInterval stays within the
+// WorkflowTaskTimeout) is the answer. Counted with SQL.
+func TestLocalActivityRetries(t *testing.T) {
+	t.Parallel()
+	b := setup(t, registerRuns)
+	for _, c := range []struct {
+		name        string
+		backoff     time.Duration
+		businessKey bool
+		debits      int64
+	}{
+		{"WithinTheWorkflowTask", 100 * time.Millisecond, false, 1},
+		{"ThroughATimer", 2 * time.Second, false, 2},
+		{"ThroughATimerWithABusinessKey", 2 * time.Second, true, 1},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			id := "local-retry-" + c.name
+			in := localRetryInput{Posting: activities.Posting{TransferID: id, Account: "alice", Amount: 1}, BusinessKey: c.businessKey, Backoff: c.backoff}
+			run, err := b.client.ExecuteWorkflow(ctx, client.StartWorkflowOptions{ID: id, TaskQueue: b.taskQueue, WorkflowTaskTimeout: time.Second}, "LocalRetry", in)
+			require.NoError(t, err)
+			require.NoError(t, run.Get(ctx, nil))
+			require.Equal(t, c.debits, b.entries(t, id, "debit"))
+		})
+	}
 }
 
 type twoDebitsInput struct {
