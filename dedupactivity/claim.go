@@ -588,22 +588,31 @@ func (d *Deduper) judge(m *marker, st stored, found bool, err error, a attempt) 
 		// inserted before this one), whatever the mismatch policy, whose
 		// stored result is of another type.
 		a.outcome = OutcomePayloadMismatch
-		return a, fmt.Errorf("%w: the identity's event was applied by activity type %q (attempt %d), this delivery is of %q: two activities share a workflow run and activity ID (in tests, give each its own Table or Schema, as every test environment has the same IDs)", ErrPayloadMismatch, st.activityType, st.attempt, m.activityType)
+		return a, fmt.Errorf("%w: the identity's event was applied by activity type %q (%s), this delivery is of %q: two activities share a workflow run and activity ID (in tests, give each its own Table or Schema, as every test environment has the same IDs)", ErrPayloadMismatch, st.activityType, byAttempt(st.attempt), m.activityType)
 	}
 	if m.fingerprint != nil && st.fingerprint != nil && !bytes.Equal(m.fingerprint, st.fingerprint) {
 		a.outcome = OutcomePayloadMismatch
 		if d.opts.MismatchPolicy == MismatchReject {
-			return a, fmt.Errorf("%w (identity %x, first applied by attempt %d)", ErrPayloadMismatch, m.sum[:], st.attempt)
+			return a, fmt.Errorf("%w (identity %x, first applied by %s)", ErrPayloadMismatch, m.sum[:], byAttempt(st.attempt))
 		}
 	} else {
 		a.outcome = OutcomeDuplicate
 	}
 	if st.result == nil {
 		a.outcome = OutcomeError
-		return a, fmt.Errorf("%w: the event was applied by attempt %d, whose effect ended the claim transaction (or whose caller committed without Claim.Complete), so no result was recorded", ErrTxEnded, st.attempt)
+		return a, fmt.Errorf("%w: the event was applied by %s, whose effect ended the claim transaction (or whose caller committed without Claim.Complete), so no result was recorded", ErrTxEnded, byAttempt(st.attempt))
 	}
 	a.result = st.result
 	return a, nil
+}
+
+// byAttempt names the delivery that applied an event: its activity attempt,
+// or, for Do and ClaimTx outside an activity (attempt 0), none.
+func byAttempt(attempt int32) string {
+	if attempt < 1 {
+		return "a call outside an activity"
+	}
+	return fmt.Sprintf("attempt %d", attempt)
 }
 
 // newMarker validates id and builds the marker a delivery of it claims (the

@@ -87,6 +87,7 @@ func TestClaimTx(t *testing.T) {
 	require.NoError(t, err)
 	_, _, err = deliver(in, true)
 	require.ErrorIs(t, err, dedupactivity.ErrTxEnded)
+	require.ErrorContains(t, err, "applied by a call outside an activity", "not by attempt 0")
 	require.Equal(t, int64(3), b.ledgerRows(t))
 	// Result says so too: applied, with no result to read.
 	var stored Posting

@@ -20,6 +20,9 @@ import (
 // inside the claim transaction, which the claim owns: tx.Commit and
 // tx.Rollback return ErrTxOwned (return an error to roll back), savepoints
 // (tx.Begin) work, and tx is closed (pgx.ErrTxClosed) once the attempt ends.
+// The transaction is READ COMMITTED, whatever the session's
+// default_transaction_isolation: an effect that needs REPEATABLE READ or
+// SERIALIZABLE claims with ClaimTx in a transaction it begins itself.
 //
 // The claim is sent with the effect's first statement when the delivery is
 // almost surely new (the first attempt of a run-scoped identity, on a
@@ -42,7 +45,10 @@ import (
 // later one returns pgx.ErrTxClosed, so none reaches the connection once
 // the attempt is over; two at once get "conn busy", as on any pgx.Tx. What
 // tx.Conn and tx.LargeObjects give is not behind that: keep neither past
-// the effect. Do not call external systems (email, payments, HTTP) from
+// the effect. tx.Conn (and a Rows' Conn) is nil while Rows of the effect's
+// are open before the event's key went in (on a first attempt, whose claim
+// rides: the connection is busy, and the key cannot be sent): read what
+// you need of the connection before a Query, or after its Rows are closed. Do not call external systems (email, payments, HTTP) from
 // it; see the package documentation.
 type EffectFunc[In, Out any] func(ctx context.Context, tx pgx.Tx, in In) (Out, error)
 
@@ -119,10 +125,10 @@ func WithRetention(d time.Duration) WrapOption {
 // Errors reach Temporal as follows: the effect's own errors unchanged; a
 // rejected payload mismatch, an invalid call (not an activity context, empty
 // business key, an effect that ended the transaction) and values the data
-// converter cannot encode (or decode back) as non-retryable ApplicationErrors (ErrType*
-// constants); a claim timeout, and a duplicate's stored result the
-// converter cannot decode, as retryable ones; database errors as they are
-// (retryable).
+// converter cannot encode (or decode back) as non-retryable
+// ApplicationErrors (ErrType* constants); a claim timeout, and a
+// duplicate's stored result the converter cannot decode, as retryable
+// ones; database errors as they are (retryable).
 func Wrap[In, Out any](d *Deduper, fn EffectFunc[In, Out], opts ...WrapOption) func(ctx context.Context, in In) (Out, error) {
 	w, err := newWrapper(d, fn, opts)
 	if err != nil {
@@ -192,11 +198,12 @@ func newWrapper[In, Out any](d *Deduper, fn EffectFunc[In, Out], opts []WrapOpti
 // KindBusinessKey id only, as for a wrapped activity, whose run-scoped
 // input Temporal's history fixes: under a run-scoped id of your own, a
 // delivery with another input is a duplicate, and returns the first one's
-// result. WithBusinessKey does not apply (id is the identity) and is refused. Outside an activity a run-scoped id
-// (KindActivity, KindStandalone) is taken for a first attempt: its claim
-// rides with fn's first statement (see Round trips in the package
-// documentation); for work that is often delivered again, such as a queue
-// consumer's, use a KindBusinessKey id, which claims before fn runs.
+// result. WithBusinessKey does not apply (id is the identity) and is
+// refused. Outside an activity a run-scoped id (KindActivity,
+// KindStandalone) is taken for a first attempt: its claim rides with fn's
+// first statement (see Round trips in the package documentation); for work
+// that is often delivered again, such as a queue consumer's, use a
+// KindBusinessKey id, which claims before fn runs.
 func Do[In, Out any](ctx context.Context, d *Deduper, id Identity, in In, fn EffectFunc[In, Out], opts ...WrapOption) (Out, Outcome, error) {
 	var zero Out
 	w, err := newWrapper(d, fn, opts)
