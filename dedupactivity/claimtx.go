@@ -91,7 +91,7 @@ func ClaimTx[Out any](ctx context.Context, d *Deduper, tx pgx.Tx, id Identity, i
 	}
 	a.claimWait = time.Since(start)
 	if err != nil {
-		err = fmt.Errorf("dedupactivity: claim: %w", interpretError(err, true))
+		err = claimError(ctx, err)
 		if errors.Is(err, ErrClaimTimeout) {
 			a.outcome = OutcomeClaimTimeout
 		}

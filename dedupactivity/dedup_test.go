@@ -12,6 +12,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgconn/ctxwatch"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	commonpb "go.temporal.io/api/common/v1"
 	"go.temporal.io/sdk/activity"
@@ -621,6 +623,47 @@ func TestClaimWaitCutByDeadline(t *testing.T) {
 
 	release()
 	require.NoError(t, <-holder)
+}
+
+// TestClaimWaitCancelled: a claim waiting for a holder whose caller's
+// context is cancelled fails with the context's error, not as a claim
+// timeout, also when pgx stops the query with a cancel request
+// (CancelRequestContextWatcherHandler), whose SQLSTATE (57014) is
+// statement_timeout's too.
+func TestClaimWaitCancelled(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	holding, release := holdFirstClaim(t, b)
+	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "held"}
+	in := Transfer{Account: "a", Amount: 1}
+	holder := make(chan error, 1)
+	go func() { _, _, err := dedupactivity.Do(context.Background(), b.d, id, in, b.post); holder <- err }()
+	<-holding
+
+	for name, handler := range map[string]func(*pgconn.PgConn) ctxwatch.Handler{
+		"Deadline": nil, // pgx's default
+		"CancelRequest": func(c *pgconn.PgConn) ctxwatch.Handler {
+			return &pgconn.CancelRequestContextWatcherHandler{Conn: c, CancelRequestDelay: 0, DeadlineDelay: time.Second}
+		},
+	} {
+		pool := b.newPool(t, func(cfg *pgxpool.Config) {
+			if handler != nil {
+				cfg.ConnConfig.BuildContextWatcherHandler = handler
+			}
+		})
+		d, err := dedupactivity.New(pool, dedupactivity.Options{})
+		require.NoError(t, err)
+		ctx, cancel := context.WithCancel(context.Background())
+		time.AfterFunc(300*time.Millisecond, cancel)
+		_, outcome, err := dedupactivity.Do(ctx, d, id, in, b.post)
+		require.ErrorIs(t, err, context.Canceled, name)
+		require.NotErrorIs(t, err, dedupactivity.ErrClaimTimeout, name)
+		require.NotEqual(t, dedupactivity.OutcomeClaimTimeout, outcome, name)
+	}
+
+	release()
+	require.NoError(t, <-holder)
+	require.Equal(t, int64(1), b.ledgerRows(t))
 }
 
 // TestResult reads what Do stored, through the data converter, and says
