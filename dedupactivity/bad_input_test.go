@@ -37,6 +37,8 @@ func TestNewValidatesOptions(t *testing.T) {
 		"TableUpper":      {dedupactivity.Options{Table: "Markers"}, "Table"},
 		"TableTooLong":    {dedupactivity.Options{Table: strings.Repeat("t", 41)}, "Table"},
 		"SchemaInjection": {dedupactivity.Options{Schema: "public; DROP SCHEMA public"}, "Schema"},
+		"SchemaPgTemp":    {dedupactivity.Options{Schema: "pg_temp"}, "pg_ prefix"},
+		"SchemaPgCatalog": {dedupactivity.Options{Schema: "pg_catalog"}, "pg_ prefix"},
 		"ClaimWait":       {dedupactivity.Options{ClaimWait: -1}, "ClaimWait"},
 		"ClaimWaitHuge":   {dedupactivity.Options{ClaimWait: 720 * time.Hour}, "ClaimWait"},
 		"Retention":       {dedupactivity.Options{Retention: 1}, "Retention"},

@@ -3,6 +3,7 @@ package dedupactivity
 import (
 	"fmt"
 	"regexp"
+	"strings"
 	"time"
 
 	"go.opentelemetry.io/otel"
@@ -62,8 +63,8 @@ func (p MismatchPolicy) String() string {
 // documented default.
 type Options struct {
 	// Schema is the PostgreSQL schema holding the marker table. It must be a
-	// plain lower-case identifier ([a-z_][a-z0-9_]*, at most 63 bytes).
-	// Migrate creates it if missing.
+	// plain lower-case identifier ([a-z_][a-z0-9_]*, at most 63 bytes), not
+	// one of PostgreSQL's own (pg_ prefix). Migrate creates it if missing.
 	//
 	// Defaults to "": the table is unqualified and found through the
 	// search_path of each statement. Set it when effects change search_path
@@ -243,6 +244,11 @@ func (o Options) withDefaults() Options {
 func (o Options) validate() error {
 	if o.Schema != "" && (len(o.Schema) > 63 || !identRE.MatchString(o.Schema)) {
 		return fmt.Errorf("%w: Schema %q must match [a-z_][a-z0-9_]* and be at most 63 bytes", ErrInvalidOptions, o.Schema)
+	}
+	if strings.HasPrefix(o.Schema, "pg_") {
+		// pg_temp above all: each session's own temporary schema, which
+		// other connections do not see.
+		return fmt.Errorf("%w: Schema %q: the pg_ prefix is PostgreSQL's (pg_catalog, pg_toast, pg_temp: a session's temporary schema, which other connections do not see)", ErrInvalidOptions, o.Schema)
 	}
 	if len(o.Table) > 40 || !identRE.MatchString(o.Table) {
 		return fmt.Errorf("%w: Table %q must match [a-z_][a-z0-9_]* and be at most 40 bytes", ErrInvalidOptions, o.Table)

@@ -33,7 +33,8 @@ const DefaultRetention = dedupactivity.DefaultRetention
 
 // Options configure an Outbox. The zero value is valid.
 type Options struct {
-	// Schema holds the outbox table, a plain lower-case identifier.
+	// Schema holds the outbox table, a plain lower-case identifier, not one
+	// of PostgreSQL's own (pg_ prefix).
 	//
 	// Defaults to "": the table is found through the search_path.
 	Schema string
@@ -78,6 +79,11 @@ func (o Options) withDefaults() Options {
 func (o Options) validate() error {
 	if o.Schema != "" && (len(o.Schema) > 63 || !identRE.MatchString(o.Schema)) {
 		return fmt.Errorf("%w: Schema %q must match [a-z_][a-z0-9_]* and be at most 63 bytes", ErrInvalidConfig, o.Schema)
+	}
+	if strings.HasPrefix(o.Schema, "pg_") {
+		// pg_temp above all: each session's own temporary schema, which
+		// other connections do not see.
+		return fmt.Errorf("%w: Schema %q: the pg_ prefix is PostgreSQL's (pg_catalog, pg_toast, pg_temp: a session's temporary schema, which other connections do not see)", ErrInvalidConfig, o.Schema)
 	}
 	if len(o.Table) > 40 || !identRE.MatchString(o.Table) {
 		return fmt.Errorf("%w: Table %q must match [a-z_][a-z0-9_]* and be at most 40 bytes", ErrInvalidConfig, o.Table)

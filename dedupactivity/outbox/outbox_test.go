@@ -390,6 +390,7 @@ func TestOptionsValidate(t *testing.T) {
 	for name, o := range map[string]outbox.Options{
 		"table":     {Table: "Bad-Name"},
 		"schema":    {Schema: "x;drop"},
+		"pg_temp":   {Schema: "pg_temp"},
 		"retention": {Retention: time.Second},
 	} {
 		_, err := outbox.New(s.Pool, o)
