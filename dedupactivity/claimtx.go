@@ -100,7 +100,7 @@ func ClaimTx[Out any](ctx context.Context, d *Deduper, tx pgx.Tx, id Identity, i
 	if claimed {
 		a.outcome, c.outcome = OutcomeClaimed, OutcomeClaimed
 		if conn := tx.Conn(); conn != nil {
-			stateOf(conn).claimOpen(c.m.sum, c.m.xact)
+			stateOf(conn).claimOpen(c.m.sum, c.m.xact, c.m.xmin)
 		}
 		return c, nil
 	}
@@ -126,7 +126,8 @@ func ClaimTx[Out any](ctx context.Context, d *Deduper, tx pgx.Tx, id Identity, i
 	// effect this may run in), can tell this transaction's own.
 	openHere := false
 	if conn := tx.Conn(); conn != nil {
-		_, openHere = stateOf(conn).open[c.m.sum] // of the connection's last transaction that claimed
+		xmin, ok := stateOf(conn).open[c.m.sum] // of the connection's last transaction that claimed
+		openHere = ok && xmin == st.xmin
 	}
 	if rerr == nil && found && (st.result == nil || d.opts.DiscardResults && openHere) {
 		// No result yet: the marker may be this very transaction's, from an
@@ -136,7 +137,7 @@ func ClaimTx[Out any](ctx context.Context, d *Deduper, tx pgx.Tx, id Identity, i
 		// wrote the row, the connection remembers it.
 		var xact *string
 		if err := tx.QueryRow(ctx, currentXactSQL).Scan(&xact); err == nil && xact != nil &&
-			(st.result == nil && sameXact(*xact, st.xmin) || tx.Conn() != nil && stateOf(tx.Conn()).claimedOpen(c.m.sum, *xact)) {
+			(st.result == nil && sameXact(*xact, st.xmin) || tx.Conn() != nil && stateOf(tx.Conn()).claimedOpen(c.m.sum, *xact, st.xmin)) {
 			return nil, errors.New("dedupactivity: the event is already claimed in this transaction, and not completed: Complete that claim, or claim each event once per transaction")
 		}
 	}

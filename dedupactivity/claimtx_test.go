@@ -380,3 +380,67 @@ func TestCompleteOfAClaimRolledBackBySQL(t *testing.T) {
 	require.Equal(t, "result of E2", got)
 	require.Equal(t, int64(1), b.markers(t))
 }
+
+// TestClaimTxOfTheEnclosingEventInAnotherTable: inside a wrapper's effect,
+// a ClaimTx of the same identity through a Deduper of another table, which
+// holds the event committed, is a duplicate there (results discarded): the
+// connection's record of the wrapper's claim names its row (by xmin), not
+// the identity alone.
+func TestClaimTxOfTheEnclosingEventInAnotherTable(t *testing.T) {
+	t.Parallel()
+	b := setup(t, dedupactivity.Options{})
+	ctx := context.Background()
+	other, err := dedupactivity.New(b.pool, dedupactivity.Options{Table: "other_marker", DiscardResults: true})
+	require.NoError(t, err)
+	require.NoError(t, other.Migrate(ctx))
+	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "shared"}
+	in := Transfer{Account: "a", Amount: 1}
+	require.NoError(t, pgx.BeginFunc(ctx, b.pool, func(tx pgx.Tx) error {
+		c, err := dedupactivity.ClaimTx[Posting](ctx, other, tx, id, in)
+		require.NoError(t, err)
+		return c.Complete(ctx, Posting{})
+	}))
+	var inner dedupactivity.Outcome
+	_, _, err = dedupactivity.Do(ctx, b.d, id, in, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+		c, err := dedupactivity.ClaimTx[Posting](ctx, other, tx, id, in)
+		if err != nil {
+			return Posting{}, err
+		}
+		inner = c.Outcome()
+		return b.post(ctx, tx, in)
+	})
+	require.NoError(t, err)
+	require.Equal(t, dedupactivity.OutcomeDuplicate, inner)
+	require.Equal(t, int64(1), b.markers(t))
+}
+
+// TestClaimTxAfterItsSavepointRolledBack: a claim rolled back with its
+// savepoint is not open any more: once another transaction committed the
+// event, claiming it again in the first transaction is a duplicate, with
+// results stored or discarded (discarded, it read as this transaction's
+// open claim).
+func TestClaimTxAfterItsSavepointRolledBack(t *testing.T) {
+	t.Parallel()
+	for _, discard := range []bool{false, true} {
+		b := setup(t, dedupactivity.Options{DiscardResults: discard})
+		ctx := context.Background()
+		id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "rolled-back"}
+		in := Transfer{Account: "a", Amount: 1}
+		tx, err := b.pool.Begin(ctx)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = tx.Rollback(ctx) })
+		sp, err := tx.Begin(ctx)
+		require.NoError(t, err)
+		c, err := dedupactivity.ClaimTx[Posting](ctx, b.d, sp, id, in)
+		require.NoError(t, err)
+		require.Equal(t, dedupactivity.OutcomeClaimed, c.Outcome())
+		require.NoError(t, sp.Rollback(ctx))
+		_, outcome, err := dedupactivity.Do(ctx, b.d, id, in, b.post)
+		require.NoError(t, err)
+		require.Equal(t, dedupactivity.OutcomeClaimed, outcome, "committed by another transaction")
+		again, err := dedupactivity.ClaimTx[Posting](ctx, b.d, tx, id, in)
+		require.NoError(t, err, "results discarded: %v", discard)
+		require.Equal(t, dedupactivity.OutcomeDuplicate, again.Outcome())
+		require.NoError(t, tx.Rollback(ctx))
+	}
+}

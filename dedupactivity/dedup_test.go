@@ -646,7 +646,9 @@ func TestClaimWaitCancelled(t *testing.T) {
 			return &pgconn.CancelRequestContextWatcherHandler{Conn: c, CancelRequestDelay: 0, DeadlineDelay: time.Second}
 		},
 	} {
+		app := "claim-wait-cancelled-" + b.schema.Name + "-" + name
 		pool := b.newPool(t, func(cfg *pgxpool.Config) {
+			cfg.ConnConfig.RuntimeParams["application_name"] = app
 			if handler != nil {
 				cfg.ConnConfig.BuildContextWatcherHandler = handler
 			}
@@ -654,7 +656,14 @@ func TestClaimWaitCancelled(t *testing.T) {
 		d, err := dedupactivity.New(pool, dedupactivity.Options{})
 		require.NoError(t, err)
 		ctx, cancel := context.WithCancel(context.Background())
-		time.AfterFunc(300*time.Millisecond, cancel)
+		go func() {
+			// Cancelled once the claim waits for the holder's lock, so the
+			// cancel meets the wait, not the pool or the connect.
+			defer cancel()
+			require.Eventually(t, func() bool {
+				return b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND wait_event_type = 'Lock'`, app) == 1
+			}, 5*time.Second, 10*time.Millisecond)
+		}()
 		_, outcome, err := dedupactivity.Do(ctx, d, id, in, b.post)
 		require.ErrorIs(t, err, context.Canceled, name)
 		require.NotErrorIs(t, err, dedupactivity.ErrClaimTimeout, name)

@@ -150,7 +150,8 @@ func (id Identity) Hash() [32]byte { return sha256Sum(id.Encode()) }
 func sha256Sum(b []byte) [32]byte { return sha256.Sum256(b) }
 
 // fingerprintVersion is the first byte of every fingerprint: a change of
-// the rule gets a new version.
+// the rule once released gets a new version (none is released yet; the
+// rule of 2026-12-04, zero inputs as null, is still version 1).
 const fingerprintVersion = 1
 
 // fingerprint returns the fingerprint of a business-keyed input: a version
@@ -176,6 +177,11 @@ func fingerprint(in any) ([]byte, error) {
 	if e := string(encoding); e == converter.MetadataEncodingJSON || e == converter.MetadataEncodingProtoJSON {
 		if canon, err := canonicalJSON(data); err == nil {
 			data = canon
+		}
+		if string(data) == "null" {
+			// A zero input is one whichever JSON encoded it (an empty
+			// proto message's is protojson's, a nil pointer's plain).
+			encoding = []byte(converter.MetadataEncodingJSON)
 		}
 	}
 	h := sha256.New()

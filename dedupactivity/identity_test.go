@@ -9,6 +9,7 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
+	commonpb "go.temporal.io/api/common/v1"
 	"go.temporal.io/sdk/activity"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
@@ -245,6 +246,7 @@ func TestFingerprintTopLevelZero(t *testing.T) {
 	require.Equal(t, fp([]string(nil)), fp([]string{}))
 	require.Equal(t, fp(map[string]int(nil)), fp(map[string]int{}))
 	require.Equal(t, fp((*Transfer)(nil)), fp(&Transfer{}), "a nil pointer, as a member is")
+	require.Equal(t, fp((*commonpb.Payload)(nil)), fp(&commonpb.Payload{}), "a proto message's too (protojson)")
 	require.NotEqual(t, fp([]string{}), fp([]string{""}))
 	require.NotEqual(t, fp(map[string]int{}), fp(map[string]int{"a": 1}))
 }

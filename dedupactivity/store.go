@@ -60,7 +60,8 @@ type store struct {
 	// nothing: a duplicate; if it rolls back, this one inserts); and in
 	// RETURNING, evaluated only for an inserted row, puts the saved
 	// lock_timeout back and returns the new row's ctid, the top-level
-	// transaction's ID and the table's OID. When nothing is inserted the
+	// transaction's ID, the table's OID and the row's xmin (in a savepoint,
+	// the savepoint's own transaction ID). When nothing is inserted the
 	// claim's lock_timeout stays until the transaction ends:
 	// restoreLockTimeout puts it back for a caller that goes on.
 	insert             *stmt
@@ -177,7 +178,7 @@ func newStore(table, ended, moved string, partitioned bool, defaultPartition str
 SELECT $1::bytea, $2::int4, $3::timestamptz, $4::text, $5::bytea, $6::bytea`+keyVal+`
 WHERE (set_config('dedupactivity.lock_timeout', current_setting('lock_timeout'), true) || set_config('lock_timeout', $7, true)) IS NOT NULL
 ON CONFLICT DO NOTHING
-RETURNING ctid, pg_current_xact_id()::text, set_config('lock_timeout', current_setting('dedupactivity.lock_timeout'), true), `+self, marker...),
+RETURNING ctid, pg_current_xact_id()::text, set_config('lock_timeout', current_setting('dedupactivity.lock_timeout'), true), `+self+`, xmin::text`, marker...),
 		insertLast: newStmt(`INSERT INTO `+table+` (id_hash, attempt, expires_at, activity_type, fingerprint, result`+keyCol+`)
 SELECT $1::bytea, $2::int4, $3::timestamptz, $4::text, $5::bytea, $6::bytea`+keyVal+`
 WHERE set_config('lock_timeout', $7, true) IS NOT NULL AND CASE WHEN `+self+` = `+lastOID+`::oid THEN true ELSE `+moved+`() END`, slices.Concat(marker, []uint32{oidOID})...),
@@ -361,6 +362,7 @@ type marker struct {
 	heartbeat    time.Duration // the activity's HeartbeatTimeout (see Deduper.claimWaitFor)
 	ctid         pgtype.TID    // of the inserted row, once claimed
 	xact         string        // the claim's top-level transaction ID, once claimed
+	xmin         string        // the inserted row's xmin (a savepoint's own ID in one), once claimed
 	table        uint32        // the marker table's OID, as the claim's first statement found it
 }
 
@@ -421,33 +423,36 @@ func sameXact(xact, xmin string) bool {
 // claim as open (see connState.claimOpen).
 func (s *store) claimed(t *trip, m *marker) (bool, error) {
 	var ctid pgtype.TID
-	var xact string
+	var xact, xmin string
 	var table uint32
 	found, err := t.row(func(cols [][]byte) (err error) {
 		if ctid, err = colTID(cols[0]); err != nil {
 			return err
 		}
 		xact = string(cols[1])
-		table, err = colUint32(cols[3])
-		return err
+		if table, err = colUint32(cols[3]); err != nil {
+			return err
+		}
+		xmin = string(cols[4])
+		return nil
 	})
 	if err != nil || !found {
 		return false, err
 	}
-	if err := m.claimedAs(ctid, xact, table); err != nil {
+	if err := m.claimedAs(ctid, xact, table, xmin); err != nil {
 		return false, err
 	}
-	t.s.claimOpen(m.sum, xact) // so that a ClaimTx of the event in the effect is refused
+	t.s.claimOpen(m.sum, xact, xmin) // so that a ClaimTx of the event in the effect is refused
 	return true, nil
 }
 
-// claimedAs records the row the claim inserted: its ctid, its transaction
-// and its table, which must be the one the look read (if any).
-func (m *marker) claimedAs(ctid pgtype.TID, xact string, table uint32) error {
+// claimedAs records the row the claim inserted: its ctid, its transaction,
+// its xmin, and its table, which must be the one the look read (if any).
+func (m *marker) claimedAs(ctid pgtype.TID, xact string, table uint32, xmin string) error {
 	if m.table != 0 && table != m.table {
 		return fmt.Errorf("%w: the marker's key went to table OID %d, the look read %d", ErrSearchPathChanged, table, m.table)
 	}
-	m.ctid, m.xact, m.table = ctid, xact, table
+	m.ctid, m.xact, m.table, m.xmin = ctid, xact, table, xmin
 	return nil
 }
 
@@ -581,16 +586,16 @@ func (s *store) queueClaim(b *pgx.Batch, m *marker, wait time.Duration) {
 
 func (s *store) readClaim(br pgx.BatchResults, m *marker) (bool, error) {
 	var ctid pgtype.TID
-	var xact string
+	var xact, xmin string
 	var table uint32
-	err := br.QueryRow().Scan(&ctid, &xact, nil, &table)
+	err := br.QueryRow().Scan(&ctid, &xact, nil, &table, &xmin)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return false, nil
 	}
 	if err != nil {
 		return false, err
 	}
-	return true, m.claimedAs(ctid, xact, table)
+	return true, m.claimedAs(ctid, xact, table, xmin)
 }
 
 // queueRead queues the read of m's committed marker; scanStored reads it.

@@ -92,12 +92,14 @@ type connState struct {
 	// failing Parse is not sent with every delivery.
 	refused map[string]bool
 	// open are the events claimed in the transaction openXact (the
-	// connection's last to claim one) and not completed yet (see
-	// claimOpen).
-	open     map[[32]byte]struct{}
-	openXact string
-	eqb      pgx.ExtendedQueryBuilder
-	trip     trip // reused: a connection runs one round trip at a time
+	// connection's last to claim one) and not completed yet, each with its
+	// marker row's xmin (see claimOpen); openCount is how many that
+	// transaction claimed.
+	open      map[[32]byte]string
+	openXact  string
+	openCount int
+	eqb       pgx.ExtendedQueryBuilder
+	trip      trip // reused: a connection runs one round trip at a time
 }
 
 // prepared is a statement prepared on the connection, and the prepare call
@@ -127,32 +129,36 @@ func stateOf(conn *pgx.Conn) *connState {
 }
 
 // claimOpen remembers that the event sum was claimed in the top-level
-// transaction xact, by ClaimTx or by a wrapper's claim that inserted the
-// key before its effect, so that ClaimTx of that event again in that
-// transaction before Complete is said plainly, also when the first claim
-// ran in a savepoint (whose subtransaction, not xact, is then the marker
-// row's xmin) or results are discarded (the row's empty result then reads
-// as completed). Only the last transaction's claims are kept: a
-// connection runs one transaction at a time, so the others ended.
-func (s *connState) claimOpen(sum [32]byte, xact string) {
+// transaction xact, inserting a marker row whose xmin is xmin, by ClaimTx
+// or by a wrapper's claim that inserted the key before its effect, so that
+// ClaimTx of that event again in that transaction before Complete is said
+// plainly, also when the first claim ran in a savepoint (whose own
+// transaction ID, not xact, is then the row's xmin) or results are
+// discarded (the row's empty result then reads as completed). A row read
+// later is that claim's only if its xmin is the same: not once a
+// savepoint rolled it back, nor another table's. Only the last
+// transaction's claims are kept: a connection runs one transaction at a
+// time, so the others ended.
+func (s *connState) claimOpen(sum [32]byte, xact, xmin string) {
 	if xact != s.openXact {
-		if len(s.open) > 64 {
-			s.open = nil // a large transaction's: let it go
+		if s.openCount > 64 {
+			s.open = nil // a large transaction's map, which clear would keep
 		}
 		clear(s.open)
-		s.openXact = xact
+		s.openXact, s.openCount = xact, 0
 	}
 	if s.open == nil {
-		s.open = make(map[[32]byte]struct{})
+		s.open = make(map[[32]byte]string)
 	}
-	s.open[sum] = struct{}{}
+	s.open[sum] = xmin
+	s.openCount++
 }
 
-// claimedOpen says whether the event sum was claimed in the top-level
-// transaction xact and not completed.
-func (s *connState) claimedOpen(sum [32]byte, xact string) bool {
-	_, ok := s.open[sum]
-	return ok && xact == s.openXact
+// claimedOpen says whether a marker row of the event sum whose xmin is
+// xmin is a claim of the top-level transaction xact not completed yet.
+func (s *connState) claimedOpen(sum [32]byte, xact, xmin string) bool {
+	x, ok := s.open[sum]
+	return ok && x == xmin && xact == s.openXact
 }
 
 // completed forgets the open claim of the event sum, completed in the
