@@ -152,9 +152,13 @@ type store struct {
 
 func newStore(table, ended, moved string, partitioned bool, defaultPartition string, retention time.Duration) *store {
 	keyCol, keyVal, completeCond, keyCond, pruned := ``, ``, ``, ``, table
+	// The inserted row's xmin, for ClaimTx (see connState.claimOpen); a
+	// partitioned table's RETURNING cannot give a system column, and
+	// ClaimTx refuses that layout.
+	xmin := `xmin::text`
 	lastOID, completeOID, completeKey := `$8`, `$4`, `$5` // the parameters of the claim's table OID, and of complete's key
 	if partitioned {
-		keyCol, keyVal, pruned = `, scheduled_at`, `, $8::timestamptz`, defaultPartition
+		keyCol, keyVal, pruned, xmin = `, scheduled_at`, `, $8::timestamptz`, defaultPartition, `''`
 		completeCond, keyCond = ` AND scheduled_at = $4`, ` AND scheduled_at = $2`
 		lastOID, completeOID, completeKey = `$9`, `$5`, `$6`
 	}
@@ -178,7 +182,7 @@ func newStore(table, ended, moved string, partitioned bool, defaultPartition str
 SELECT $1::bytea, $2::int4, $3::timestamptz, $4::text, $5::bytea, $6::bytea`+keyVal+`
 WHERE (set_config('dedupactivity.lock_timeout', current_setting('lock_timeout'), true) || set_config('lock_timeout', $7, true)) IS NOT NULL
 ON CONFLICT DO NOTHING
-RETURNING ctid, pg_current_xact_id()::text, set_config('lock_timeout', current_setting('dedupactivity.lock_timeout'), true), `+self+`, xmin::text`, marker...),
+RETURNING ctid, pg_current_xact_id()::text, set_config('lock_timeout', current_setting('dedupactivity.lock_timeout'), true), `+self+`, `+xmin, marker...),
 		insertLast: newStmt(`INSERT INTO `+table+` (id_hash, attempt, expires_at, activity_type, fingerprint, result`+keyCol+`)
 SELECT $1::bytea, $2::int4, $3::timestamptz, $4::text, $5::bytea, $6::bytea`+keyVal+`
 WHERE set_config('lock_timeout', $7, true) IS NOT NULL AND CASE WHEN `+self+` = `+lastOID+`::oid THEN true ELSE `+moved+`() END`, slices.Concat(marker, []uint32{oidOID})...),
