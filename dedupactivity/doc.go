@@ -36,13 +36,13 @@
 // effect and then failed is applied again. Give such local activities
 // WithBusinessKey, or a RetryPolicy whose MaximumInterval is within the
 // workflow task timeout, whose retries keep their ID. (Temporal's test
-// environment retries every local activity through a timer.) An ActivityOptions.ActivityID that a
-// workflow sets and reuses in one run (Temporal allows it once the earlier
-// activity closed) is the earlier activity's identity: the second activity
-// is taken for its duplicate and applies nothing, so give each activity its
-// own ID. WithBusinessKey uses a key of your own instead (an order ID),
-// scoped by namespace and activity type, so the effect happens once per key
-// across runs.
+// environment retries every local activity through a timer.) An
+// ActivityOptions.ActivityID that a workflow sets and reuses in one run
+// (Temporal allows it once the earlier activity closed) is the earlier
+// activity's identity: the second activity is taken for its duplicate and
+// applies nothing, so give each activity its own ID. WithBusinessKey uses
+// a key of your own instead (an order ID), scoped by namespace and
+// activity type, so the effect happens once per key across runs.
 //
 // Same identity, different input: the default MismatchReject fails the
 // attempt with a non-retryable ApplicationError of type

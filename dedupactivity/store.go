@@ -61,9 +61,10 @@ type store struct {
 	// RETURNING, evaluated only for an inserted row, puts the saved
 	// lock_timeout back and returns the new row's ctid, the top-level
 	// transaction's ID, the table's OID and the row's xmin (in a savepoint,
-	// the savepoint's own transaction ID). When nothing is inserted the
-	// claim's lock_timeout stays until the transaction ends:
-	// restoreLockTimeout puts it back for a caller that goes on.
+	// the savepoint's own transaction ID; '' in the partitioned layout).
+	// When nothing is inserted the claim's lock_timeout stays until the
+	// transaction ends: restoreLockTimeout puts it back for a caller that
+	// goes on.
 	insert             *stmt
 	restoreLockTimeout string
 	// insertLast inserts the whole marker, result included, just before
@@ -98,9 +99,9 @@ type store struct {
 	// checked by its key (the claim may have been rolled back to a
 	// savepoint, and its ctid given to another event's marker since),
 	// after checking, as guard does, that the transaction is still the
-	// claim's, and that the table is (see store). The checks are an uncorrelated
-	// subquery, so a one-time filter that runs whether or not the marker
-	// row is found.
+	// claim's, and that the table is (see store). The checks are an
+	// uncorrelated subquery, so a one-time filter that runs whether or not
+	// the marker row is found.
 	complete *stmt
 	// guard fails (SQLSTATE DDUP2, from the <table>_ended function) when the
 	// top-level transaction is no longer the claim's: the effect ended it

@@ -45,11 +45,12 @@ import (
 // later one returns pgx.ErrTxClosed, so none reaches the connection once
 // the attempt is over; two at once get "conn busy", as on any pgx.Tx. What
 // tx.Conn and tx.LargeObjects give is not behind that: keep neither past
-// the effect. tx.Conn (and a Rows' Conn) is nil while Rows of the effect's
+// the effect. tx.Conn (and a Rows' Conn) is nil while the effect's Rows
 // are open before the event's key went in (on a first attempt, whose claim
 // rides: the connection is busy, and the key cannot be sent): read what
-// you need of the connection before a Query, or after its Rows are closed. Do not call external systems (email, payments, HTTP) from
-// it; see the package documentation.
+// you need of the connection before a Query, or after its Rows are closed.
+// Do not call external systems (email, payments, HTTP) from it; see the
+// package documentation.
 type EffectFunc[In, Out any] func(ctx context.Context, tx pgx.Tx, in In) (Out, error)
 
 // WrapOption configures one wrapped activity.
@@ -81,7 +82,7 @@ type wrapConfig struct {
 // field to the input struct, or omitempty, changes nothing for inputs that
 // leave it at a zero value whose JSON is one of these. A zero time.Time
 // (JSON "0001-01-01T00:00:00Z"), a zero array ([0,0,...]) or a value whose
-// zero text is not empty (a uuid.UUID's, a decimal's "0.0") is not: such a
+// zero text is not empty (a uuid.UUID's, a decimal's "0") is not: such a
 // field added is a different input. Nor is the same instant in another time
 // zone (its JSON keeps the offset), or a field removed from the struct that
 // inputs set.
