@@ -319,20 +319,13 @@ func TestClaimTxManyClaimsInOneTransaction(t *testing.T) {
 		ctx := context.Background()
 		id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "first"}
 		in := Transfer{Account: "a", Amount: 1}
-		tx, err := b.pool.Begin(ctx)
-		require.NoError(t, err)
-		t.Cleanup(func() { _ = tx.Rollback(ctx) })
-		sp, err := tx.Begin(ctx)
-		require.NoError(t, err)
-		c, err := dedupactivity.ClaimTx[Posting](ctx, b.d, sp, id, in)
-		require.NoError(t, err)
-		require.Equal(t, dedupactivity.OutcomeClaimed, c.Outcome())
+		tx, _ := claimInSavepoint(t, b, id, in) // its savepoint stays open
 		for i := range 300 {
 			other := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: fmt.Sprint("other-", i)}
 			_, err := dedupactivity.ClaimTx[Posting](ctx, b.d, tx, other, in)
 			require.NoError(t, err)
 		}
-		_, err = dedupactivity.ClaimTx[Posting](ctx, b.d, tx, id, in)
+		_, err := dedupactivity.ClaimTx[Posting](ctx, b.d, tx, id, in)
 		require.ErrorContains(t, err, "already claimed in this transaction", "results discarded: %v", discard)
 		require.NoError(t, tx.Rollback(ctx))
 	}
@@ -426,14 +419,7 @@ func TestClaimTxAfterItsSavepointRolledBack(t *testing.T) {
 		ctx := context.Background()
 		id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "rolled-back"}
 		in := Transfer{Account: "a", Amount: 1}
-		tx, err := b.pool.Begin(ctx)
-		require.NoError(t, err)
-		t.Cleanup(func() { _ = tx.Rollback(ctx) })
-		sp, err := tx.Begin(ctx)
-		require.NoError(t, err)
-		c, err := dedupactivity.ClaimTx[Posting](ctx, b.d, sp, id, in)
-		require.NoError(t, err)
-		require.Equal(t, dedupactivity.OutcomeClaimed, c.Outcome())
+		tx, sp := claimInSavepoint(t, b, id, in)
 		require.NoError(t, sp.Rollback(ctx))
 		_, outcome, err := dedupactivity.Do(ctx, b.d, id, in, b.post)
 		require.NoError(t, err)
@@ -443,4 +429,20 @@ func TestClaimTxAfterItsSavepointRolledBack(t *testing.T) {
 		require.Equal(t, dedupactivity.OutcomeDuplicate, again.Outcome())
 		require.NoError(t, tx.Rollback(ctx))
 	}
+}
+
+// claimInSavepoint begins a transaction, which the test's cleanup rolls
+// back, and claims id in a savepoint of it.
+func claimInSavepoint(t *testing.T, b *testBundle, id dedupactivity.Identity, in Transfer) (tx, sp pgx.Tx) {
+	t.Helper()
+	ctx := context.Background()
+	tx, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = tx.Rollback(ctx) })
+	sp, err = tx.Begin(ctx)
+	require.NoError(t, err)
+	c, err := dedupactivity.ClaimTx[Posting](ctx, b.d, sp, id, in)
+	require.NoError(t, err)
+	require.Equal(t, dedupactivity.OutcomeClaimed, c.Outcome())
+	return tx, sp
 }

@@ -601,12 +601,7 @@ func TestDoOutsideTemporal(t *testing.T) {
 func TestClaimWaitCutByDeadline(t *testing.T) {
 	t.Parallel()
 	b := setup(t, dedupactivity.Options{}) // ClaimWait: the 10s default
-	holding, release := holdFirstClaim(t, b)
-	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "held"}
-	in := Transfer{Account: "a", Amount: 1}
-	holder := make(chan error, 1)
-	go func() { _, _, err := dedupactivity.Do(context.Background(), b.d, id, in, b.post); holder <- err }()
-	<-holding
+	id, in, releaseHeld := heldEvent(t, b)
 
 	ctx, cancel := context.WithTimeout(context.Background(), 700*time.Millisecond)
 	defer cancel()
@@ -621,8 +616,7 @@ func TestClaimWaitCutByDeadline(t *testing.T) {
 	require.ErrorAs(t, err, &pgErr, "ended by the claim's lock_timeout: %v", err)
 	require.Equal(t, "55P03", pgErr.Code, "lock_not_available, not a cancelled query: %v", err)
 
-	release()
-	require.NoError(t, <-holder)
+	releaseHeld()
 }
 
 // TestClaimWaitCancelled: a claim waiting for a holder whose caller's
@@ -633,12 +627,7 @@ func TestClaimWaitCutByDeadline(t *testing.T) {
 func TestClaimWaitCancelled(t *testing.T) {
 	t.Parallel()
 	b := setup(t, dedupactivity.Options{})
-	holding, release := holdFirstClaim(t, b)
-	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "held"}
-	in := Transfer{Account: "a", Amount: 1}
-	holder := make(chan error, 1)
-	go func() { _, _, err := dedupactivity.Do(context.Background(), b.d, id, in, b.post); holder <- err }()
-	<-holding
+	id, in, releaseHeld := heldEvent(t, b)
 
 	for name, handler := range map[string]func(*pgconn.PgConn) ctxwatch.Handler{
 		"Deadline": nil, // pgx's default
@@ -670,8 +659,7 @@ func TestClaimWaitCancelled(t *testing.T) {
 		require.NotEqual(t, dedupactivity.OutcomeClaimTimeout, outcome, name)
 	}
 
-	release()
-	require.NoError(t, <-holder)
+	releaseHeld()
 	require.Equal(t, int64(1), b.ledgerRows(t))
 }
 

@@ -158,6 +158,24 @@ func holdFirstClaim(t *testing.T, b *testBundle) (holding <-chan struct{}, relea
 	return h, release
 }
 
+// heldEvent is an event whose first delivery, through b.d, holds its claim
+// open (holdFirstClaim) once heldEvent returns; releaseHeld lets it commit
+// and requires that it did.
+func heldEvent(t *testing.T, b *testBundle) (id dedupactivity.Identity, in Transfer, releaseHeld func()) {
+	t.Helper()
+	holding, release := holdFirstClaim(t, b)
+	id = dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "held"}
+	in = Transfer{Account: "a", Amount: 1}
+	holder := make(chan error, 1)
+	go func() { _, _, err := dedupactivity.Do(context.Background(), b.d, id, in, b.post); holder <- err }()
+	<-holding
+	return id, in, func() {
+		t.Helper()
+		release()
+		require.NoError(t, <-holder)
+	}
+}
+
 // countingPool is a one-connection pool to b's schema whose client writes
 // (round trips) are counted; configure, when not nil, adjusts its
 // configuration first.

@@ -141,12 +141,7 @@ func TestAnySessionSettingAndExecMode(t *testing.T) {
 func TestStatementTimeoutShorterThanClaimWait(t *testing.T) {
 	t.Parallel()
 	b := setup(t, dedupactivity.Options{})
-	holding, release := holdFirstClaim(t, b)
-	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "held"}
-	in := Transfer{Account: "a", Amount: 1}
-	holder := make(chan error, 1)
-	go func() { _, _, err := dedupactivity.Do(context.Background(), b.d, id, in, b.post); holder <- err }()
-	<-holding
+	id, in, releaseHeld := heldEvent(t, b)
 
 	cfg, err := pgxpool.ParseConfig(b.schema.URL)
 	require.NoError(t, err)
@@ -162,8 +157,7 @@ func TestStatementTimeoutShorterThanClaimWait(t *testing.T) {
 	require.ErrorContains(t, err, "statement_timeout")
 	require.Equal(t, dedupactivity.OutcomeClaimTimeout, outcome)
 	require.Less(t, time.Since(began), 5*time.Second)
-	release()
-	require.NoError(t, <-holder)
+	releaseHeld()
 	require.Equal(t, int64(1), b.ledgerRows(t))
 }
 
