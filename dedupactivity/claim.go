@@ -401,15 +401,14 @@ func (d *Deduper) selfTable(ctx context.Context, conn *pgx.Conn) (uint32, error)
 
 // claimError is the error of a claim statement that failed.
 func claimError(ctx context.Context, err error) error {
-	if sqlState(err) == stateQueryCanceled && ctx.Err() != nil {
+	switch cancelled := sqlState(err) == stateQueryCanceled && ctx.Err() != nil; {
+	case cancelled && !errors.Is(ctx.Err(), context.DeadlineExceeded):
 		// The cancel request pgx sends when ctx is done (under
 		// CancelRequestContextWatcherHandler), not statement_timeout.
-		if errors.Is(ctx.Err(), context.DeadlineExceeded) {
-			return fmt.Errorf("dedupactivity: claim: %w (the caller's deadline came first): %w", ErrClaimTimeout, err)
-		}
 		return fmt.Errorf("dedupactivity: claim: %w: %w", ctx.Err(), err)
+	case !cancelled:
+		err = interpretError(err, true)
 	}
-	err = interpretError(err, true)
 	if _, known := classify(err); !known && errors.Is(ctx.Err(), context.DeadlineExceeded) {
 		// The caller's deadline came before the claim wait ran out.
 		err = fmt.Errorf("%w (the caller's deadline came first): %w", ErrClaimTimeout, err)

@@ -124,12 +124,11 @@ func ClaimTx[Out any](ctx context.Context, d *Deduper, tx pgx.Tx, id Identity, i
 	// or not: only the connection, which remembers the claims made in its
 	// transaction and not completed (ClaimTx's, and that of a wrapper whose
 	// effect this may run in), can tell this transaction's own.
-	openHere := false
+	var openIn string
 	if conn := tx.Conn(); conn != nil {
-		xmin, ok := stateOf(conn).open[c.m.sum] // of the connection's last transaction that claimed
-		openHere = ok && xmin == st.xmin
+		openIn = stateOf(conn).openIn(c.m.sum, st.xmin)
 	}
-	if rerr == nil && found && (st.result == nil || d.opts.DiscardResults && openHere) {
+	if rerr == nil && found && (st.result == nil || d.opts.DiscardResults && openIn != "") {
 		// No result yet: the marker may be this very transaction's, from an
 		// earlier claim of the same event not completed yet (a ClaimTx's,
 		// or the wrapper's whose effect this runs in): the row's xmin says
@@ -137,7 +136,7 @@ func ClaimTx[Out any](ctx context.Context, d *Deduper, tx pgx.Tx, id Identity, i
 		// wrote the row, the connection remembers it.
 		var xact *string
 		if err := tx.QueryRow(ctx, currentXactSQL).Scan(&xact); err == nil && xact != nil &&
-			(st.result == nil && sameXact(*xact, st.xmin) || tx.Conn() != nil && stateOf(tx.Conn()).claimedOpen(c.m.sum, *xact, st.xmin)) {
+			(st.result == nil && sameXact(*xact, st.xmin) || openIn == *xact) {
 			return nil, errors.New("dedupactivity: the event is already claimed in this transaction, and not completed: Complete that claim, or claim each event once per transaction")
 		}
 	}

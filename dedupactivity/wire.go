@@ -154,11 +154,14 @@ func (s *connState) claimOpen(sum [32]byte, xact, xmin string) {
 	s.openCount++
 }
 
-// claimedOpen says whether a marker row of the event sum whose xmin is
-// xmin is a claim of the top-level transaction xact not completed yet.
-func (s *connState) claimedOpen(sum [32]byte, xact, xmin string) bool {
-	x, ok := s.open[sum]
-	return ok && x == xmin && xact == s.openXact
+// openIn is the top-level transaction whose open claim of the event sum
+// inserted the marker row whose xmin is xmin, or "" if the connection holds
+// no such claim.
+func (s *connState) openIn(sum [32]byte, xmin string) string {
+	if x, ok := s.open[sum]; ok && x == xmin {
+		return s.openXact
+	}
+	return ""
 }
 
 // completed forgets the open claim of the event sum, completed in the
