@@ -42,6 +42,15 @@ type attempt struct {
 	result        []byte // the encoded result returned: new, or stored
 }
 
+// effectPanic carries a panic of the effect out of claim with what the
+// attempt took (its claim, unless a riding claim was never sent, and its
+// effect), for the wrapper's telemetry; the wrapper panics again with value.
+type effectPanic struct {
+	value   any
+	a       attempt
+	claimed bool
+}
+
 // claim runs one delivery of the event m on a pooled connection, in one
 // READ COMMITTED transaction:
 //
@@ -100,6 +109,14 @@ func (d *Deduper) claim(ctx context.Context, m *marker, ride bool, fn applyFunc)
 
 	effectStart := time.Now()
 	a.outcome = OutcomeEffectError // until the effect returns cleanly
+	defer func() {
+		// The effect panicked: the wrapper records what it took on the way
+		// out (see effectPanic); the value goes on as it was.
+		if r := recover(); r != nil {
+			a.claimWait, a.effectTime, a.ranEffect = tx.took, time.Since(effectStart), true
+			panic(effectPanic{value: r, a: a, claimed: tx.took > 0})
+		}
+	}()
 	result, err := func() (_ []byte, err error) {
 		defer tx.closeOpen() // also on a panic, so the connection can be rolled back and reused
 		defer func() {

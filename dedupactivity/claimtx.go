@@ -50,13 +50,12 @@ type Claim[Out any] struct {
 // failure (SQLSTATE 40001) that the caller retries as usual. The
 // partitioned layout is not supported (its key is the activity's
 // ScheduledTime).
-func ClaimTx[Out any](ctx context.Context, d *Deduper, tx pgx.Tx, id Identity, in any) (*Claim[Out], error) {
+func ClaimTx[Out any](ctx context.Context, d *Deduper, tx pgx.Tx, id Identity, in any) (_ *Claim[Out], err error) {
 	if !d.made() {
 		return nil, fmt.Errorf("%w: Deduper is nil, or not made by New", ErrInvalidOptions)
 	}
 	info := infoFor(ctx, id)
 	var m *marker
-	var err error
 	switch {
 	case tx == nil:
 		err = fmt.Errorf("%w: tx is nil", ErrInvalidOptions)
@@ -75,7 +74,7 @@ func ClaimTx[Out any](ctx context.Context, d *Deduper, tx pgx.Tx, id Identity, i
 	a := attempt{outcome: OutcomeError}
 	defer func() {
 		rec.set(a)
-		d.tel.end(ctx, rec, err)
+		d.tel.end(ctx, rec, err) // err is the result: every return is traced as it is
 	}()
 	if err = fingerprintInput(m, id, in); err != nil {
 		rec.noClaim = true // failed before its claim: no claim duration
@@ -175,11 +174,18 @@ func (c *Claim[Out]) Stored() Out { return c.stored }
 // after tx was committed or rolled back, and with ErrTxEnded when SQL sent
 // on tx ended the claim's transaction (another now runs there). One that
 // failed may be called again (it fails again once the transaction is
-// aborted).
-func (c *Claim[Out]) Complete(ctx context.Context, result Out) error {
+// aborted). A Complete that fails, but for ErrNotClaimed, is traced and
+// counted as an attempt of its own under OutcomeError with its error.type
+// (the claim was counted as claimed when ClaimTx made it).
+func (c *Claim[Out]) Complete(ctx context.Context, result Out) (err error) {
 	if c.outcome != OutcomeClaimed || c.done {
 		return ErrNotClaimed
 	}
+	defer func() {
+		if err != nil {
+			c.d.tel.failed(ctx, c.info, c.id, c.m.sum[:], err)
+		}
+	}()
 	dc := c.d.resultConverter(ctx, c.info, c.id)
 	b, err := c.d.encodeResult(dc, result)
 	if err != nil {

@@ -149,15 +149,7 @@ func TestClaimTx(t *testing.T) {
 	id = dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "order-5"}
 	require.NoError(t, pgx.BeginFunc(ctx, b.pool, func(outer pgx.Tx) error {
 		return pgx.BeginFunc(ctx, outer, func(tx pgx.Tx) error {
-			c, err := dedupactivity.ClaimTx[Posting](ctx, b.d, tx, id, in)
-			if err != nil {
-				return err
-			}
-			p, err := b.post(ctx, tx, in)
-			if err != nil {
-				return err
-			}
-			return c.Complete(ctx, p)
+			return b.claimAndPost(ctx, tx, id, in)
 		})
 	}))
 	_, outcome, err = deliver(in, true)

@@ -15,6 +15,9 @@ import (
 	"github.com/jackc/pgx/v5/pgconn/ctxwatch"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/otel/attribute"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	commonpb "go.temporal.io/api/common/v1"
 	"go.temporal.io/sdk/activity"
 	"go.temporal.io/sdk/converter"
@@ -623,7 +626,7 @@ func TestClaimWaitCutByDeadline(t *testing.T) {
 // context is cancelled fails with the context's error, not as a claim
 // timeout, also when pgx stops the query with a cancel request
 // (CancelRequestContextWatcherHandler), whose SQLSTATE (57014) is
-// statement_timeout's too.
+// statement_timeout's too; its span's error.type is context.Canceled.
 func TestClaimWaitCancelled(t *testing.T) {
 	t.Parallel()
 	b := setup(t, dedupactivity.Options{})
@@ -642,7 +645,8 @@ func TestClaimWaitCancelled(t *testing.T) {
 				cfg.ConnConfig.BuildContextWatcherHandler = handler
 			}
 		})
-		d, err := dedupactivity.New(pool, dedupactivity.Options{})
+		spans := tracetest.NewSpanRecorder()
+		d, err := dedupactivity.New(pool, dedupactivity.Options{TracerProvider: sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans))})
 		require.NoError(t, err)
 		ctx, cancel := context.WithCancel(context.Background())
 		go func() {
@@ -657,6 +661,8 @@ func TestClaimWaitCancelled(t *testing.T) {
 		require.ErrorIs(t, err, context.Canceled, name)
 		require.NotErrorIs(t, err, dedupactivity.ErrClaimTimeout, name)
 		require.NotEqual(t, dedupactivity.OutcomeClaimTimeout, outcome, name)
+		require.Len(t, spans.Ended(), 1, name)
+		require.Equal(t, "context.Canceled", attr(spans.Ended()[0], attribute.Key("error.type")).AsString(), name) // not 57014, statement_timeout's
 	}
 
 	releaseHeld()

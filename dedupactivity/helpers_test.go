@@ -73,6 +73,20 @@ func (b *testBundle) post(ctx context.Context, tx pgx.Tx, in Transfer) (Posting,
 	return p, err
 }
 
+// claimAndPost is ClaimTx's use as its doc shows it: claim id in tx,
+// apply post through tx, complete with its result.
+func (b *testBundle) claimAndPost(ctx context.Context, tx pgx.Tx, id dedupactivity.Identity, in Transfer) error {
+	c, err := dedupactivity.ClaimTx[Posting](ctx, b.d, tx, id, in)
+	if err != nil {
+		return err
+	}
+	p, err := b.post(ctx, tx, in)
+	if err != nil {
+		return err
+	}
+	return c.Complete(ctx, p)
+}
+
 func (b *testBundle) count(t testing.TB, query string, args ...any) int64 {
 	t.Helper()
 	var n int64

@@ -61,8 +61,10 @@ const (
 	// Prometheus). Its value is, in this order: the ErrType* constant of
 	// this package's error (DedupNotMigrated for ErrNotMigrated), the Type
 	// of a Temporal ApplicationError the effect returned, the SQLSTATE of a
-	// PostgreSQL error, context.Canceled or context.DeadlineExceeded, and
-	// otherwise _OTHER.
+	// PostgreSQL error (but context.Canceled for a claim wait cut by the
+	// cancel request of a cancelled context, whose SQLSTATE is
+	// statement_timeout's), context.Canceled or context.DeadlineExceeded,
+	// and otherwise _OTHER.
 	errorTypeKey = attribute.Key("error.type")
 	// activityTypeKey is the Temporal activity type: activity_type, the
 	// label of the SDK's metrics.
@@ -169,6 +171,9 @@ type Outcome string
 // counter.
 const (
 	// OutcomeClaimed: this attempt claimed the event and committed its effect.
+	// Through ClaimTx it is counted when the claim is made, in a transaction
+	// the caller commits or rolls back: a caller that rolls back and claims
+	// again counts it again.
 	OutcomeClaimed Outcome = "claimed"
 	// OutcomeDuplicate: the event was already applied; nothing ran, the
 	// stored result was returned.
@@ -246,7 +251,7 @@ type seedKey struct {
 
 // maxSeeded bounds telemetry.seeded, the activity types x namespaces x
 // task queues (x workflow types, through the SDK's handler) whose series
-// are made at zero: at most 4 x 128 zero series per instrument, a quarter
+// are made at zero: at most 5 x 128 zero series per instrument, a third
 // of the OpenTelemetry SDK's default cardinality limit (2000), past which
 // real attempts would be counted in the overflow series, without their
 // labels. Past it, a new combination's series appear with their first
@@ -280,13 +285,15 @@ const maxCachedSets = 4096
 // are made at zero: those the dashboard and the alert rules read (claimed,
 // duplicate, payload_mismatch, claim_timeout), not every error type, so
 // that a worker's zero series stay well below OpenTelemetry's default limit
-// of 2000 series per instrument (see maxSeeded).
+// of 2000 series per instrument (see maxSeeded). The rejected mismatch is
+// made under every policy: a run-scoped identity delivered by another
+// activity type is rejected under MismatchReturnStored too.
 func zeroOutcomesFor(policy MismatchPolicy) []outcomeType {
-	mismatch := outcomeType{OutcomePayloadMismatch, errorTypeOf(ErrPayloadMismatch)}
+	zero := []outcomeType{{OutcomeClaimed, ""}, {OutcomeDuplicate, ""}, {OutcomePayloadMismatch, errorTypeOf(ErrPayloadMismatch)}, {OutcomeClaimTimeout, errorTypeOf(ErrClaimTimeout)}}
 	if policy == MismatchReturnStored {
-		mismatch.errType = ""
+		zero = append(zero, outcomeType{OutcomePayloadMismatch, ""})
 	}
-	return []outcomeType{{OutcomeClaimed, ""}, {OutcomeDuplicate, ""}, mismatch, {OutcomeClaimTimeout, errorTypeOf(ErrClaimTimeout)}}
+	return zero
 }
 
 // errorTypeOf is the error.type of this package's sentinel (errorClasses).
@@ -668,6 +675,9 @@ func errorType(err error) string {
 	}
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
+		if pgErr.Code == stateQueryCanceled && errors.Is(err, context.Canceled) {
+			return "context.Canceled" // pgx's cancel request for a cancelled context (claimError), not statement_timeout
+		}
 		return pgErr.Code
 	}
 	switch {

@@ -177,6 +177,7 @@ func TestSeriesStartAtZero(t *testing.T) {
 	stored, err := newTelemetry(tracenoop.NewTracerProvider(), metricnoop.NewMeterProvider(), false, "t", MismatchReturnStored)
 	require.NoError(t, err)
 	require.Contains(t, stored.zeroOutcomes, outcomeType{OutcomePayloadMismatch, ""})
+	require.Contains(t, stored.zeroOutcomes, outcomeType{OutcomePayloadMismatch, ErrTypePayloadMismatch}, "another activity type's delivery is rejected under every policy")
 	require.NotContains(t, tel.zeroOutcomes, outcomeType{OutcomePayloadMismatch, ""})
 
 	for i := range maxSeeded + 10 {

@@ -616,6 +616,20 @@ func TestAttemptsThatFailBeforeTheClaim(t *testing.T) {
 // "outcome/error.type", whatever their other attributes.
 func outsideAttempts(t *testing.T, reader *sdkmetric.ManualReader) map[string]int64 {
 	t.Helper()
+	out := map[string]int64{}
+	for series, v := range allAttemptSeries(t, reader) {
+		if v != 0 {
+			_, outcomeType, _ := strings.Cut(series, "/") // drops the activity type
+			out[outcomeType] += v
+		}
+	}
+	return out
+}
+
+// allAttemptSeries returns every dedup.attempts series of reader, those at
+// zero included, by "activity_type/outcome/error.type".
+func allAttemptSeries(t *testing.T, reader *sdkmetric.ManualReader) map[string]int64 {
+	t.Helper()
 	var rm metricdata.ResourceMetrics
 	require.NoError(t, reader.Collect(context.Background(), &rm))
 	out := map[string]int64{}
@@ -625,16 +639,37 @@ func outsideAttempts(t *testing.T, reader *sdkmetric.ManualReader) map[string]in
 				continue
 			}
 			for _, dp := range m.Data.(metricdata.Sum[int64]).DataPoints {
-				if dp.Value == 0 {
-					continue
-				}
+				ty, _ := dp.Attributes.Value("activity_type")
 				o, _ := dp.Attributes.Value(dedupactivity.OutcomeKey)
 				et, _ := dp.Attributes.Value(attribute.Key("error.type"))
-				out[o.AsString()+"/"+et.AsString()] += dp.Value
+				out[ty.AsString()+"/"+o.AsString()+"/"+et.AsString()] += dp.Value
 			}
 		}
 	}
 	return out
+}
+
+// histograms returns, per duration histogram, the count and the sum of its
+// observations by outcome.
+func histograms(t *testing.T, b *telemetryBundle) (counts map[string]map[string]uint64, sums map[string]map[string]float64) {
+	t.Helper()
+	var rm metricdata.ResourceMetrics
+	require.NoError(t, b.reader.Collect(context.Background(), &rm))
+	counts, sums = map[string]map[string]uint64{}, map[string]map[string]float64{}
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if m.Name != dedupactivity.MetricClaimDuration && m.Name != dedupactivity.MetricEffectDuration {
+				continue
+			}
+			counts[m.Name], sums[m.Name] = map[string]uint64{}, map[string]float64{}
+			for _, dp := range m.Data.(metricdata.Histogram[float64]).DataPoints {
+				o, _ := dp.Attributes.Value(dedupactivity.OutcomeKey)
+				counts[m.Name][o.AsString()] += dp.Count
+				sums[m.Name][o.AsString()] += dp.Sum
+			}
+		}
+	}
+	return counts, sums
 }
 
 // TestDuplicateNamesTheAttemptThatApplied: a duplicate's span names the
@@ -739,21 +774,7 @@ func TestDurationHistogramsByOutcome(t *testing.T) {
 	_, err = deliver(t, "Post", fn, Transfer{Account: "a", Amount: 2}) // payload_mismatch
 	require.ErrorIs(t, err, dedupactivity.ErrPayloadMismatch)
 
-	var rm metricdata.ResourceMetrics
-	require.NoError(t, b.reader.Collect(context.Background(), &rm))
-	counts := map[string]map[string]uint64{}
-	for _, sm := range rm.ScopeMetrics {
-		for _, m := range sm.Metrics {
-			if m.Name != dedupactivity.MetricClaimDuration && m.Name != dedupactivity.MetricEffectDuration {
-				continue
-			}
-			counts[m.Name] = map[string]uint64{}
-			for _, dp := range m.Data.(metricdata.Histogram[float64]).DataPoints {
-				o, _ := dp.Attributes.Value(dedupactivity.OutcomeKey)
-				counts[m.Name][o.AsString()] += dp.Count
-			}
-		}
-	}
+	counts, _ := histograms(t, b)
 	require.Equal(t, map[string]uint64{"claimed": 1}, counts[dedupactivity.MetricEffectDuration], "only the claimed attempt ran the effect")
 	require.Equal(t, map[string]uint64{"claimed": 1, "duplicate": 1, "payload_mismatch": 1}, counts[dedupactivity.MetricClaimDuration])
 }

@@ -270,6 +270,9 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 	ctx = event.With(ctx, &m.sum)
 	defer func() {
 		if r := recover(); r != nil {
+			if p, ok := r.(effectPanic); ok {
+				r, a, rec.noClaim = p.value, p.a, !p.claimed
+			}
 			a.outcome = OutcomeEffectError
 			rec.set(a)
 			w.d.tel.end(ctx, rec, fmt.Errorf("panic: %v", r))
