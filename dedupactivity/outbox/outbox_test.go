@@ -605,6 +605,65 @@ func TestMigrateMakesADroppedTableAgain(t *testing.T) {
 	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM dedup_outbox`))
 }
 
+// TestReservedWordNames: any name New accepts works as Table and Schema,
+// reserved words included: Migrate (twice), Enqueue, the relay and Prune.
+// The migration's names were unquoted, so New took Table "order" and
+// Migrate failed on it with a syntax error.
+func TestReservedWordNames(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	t.Cleanup(func() { _, _ = b.schema.Pool.Exec(context.Background(), `DROP SCHEMA IF EXISTS "limit" CASCADE`) })
+	dest := newDestination(t, func(string, int) int { return http.StatusOK })
+	for _, opts := range []outbox.Options{{Table: "order"}, {Schema: "limit", Table: "user"}} {
+		ob, err := outbox.New(b.schema.Pool, opts)
+		require.NoError(t, err)
+		require.NoError(t, ob.Migrate(ctx), "%+v", opts)
+		require.NoError(t, ob.Migrate(ctx), "%+v, migrated", opts)
+		b.ob = ob
+		id := "o-" + opts.Table
+		keys, _, err := b.place(t, id, []string{"receipt"}, nil)
+		require.NoError(t, err)
+		res, err := b.relay(t, dest, outbox.RelayConfig{}).RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 1, res.Delivered, "%+v", opts)
+
+		table := pgx.Identifier{opts.Table}
+		if opts.Schema != "" {
+			table = pgx.Identifier{opts.Schema, opts.Table}
+		}
+		_, err = b.schema.Pool.Exec(ctx, `UPDATE `+table.Sanitize()+` SET settled_at = now() - interval '31 days'`)
+		require.NoError(t, err)
+		n, err := ob.Prune(ctx)
+		require.NoError(t, err)
+		require.Equal(t, int64(1), n, "%+v", opts)
+		require.Zero(t, b.count(t, `SELECT count(*) FROM `+table.Sanitize()), "%+v", opts)
+		dest.mu.Lock()
+		require.Equal(t, 1, dest.received[keys[0]], "%+v", opts)
+		dest.mu.Unlock()
+
+		// The down file, renamed as a migration tool would, drops both
+		// tables, and Migrate makes them again.
+		down, err := fs.ReadFile(outboxsql.FS, "001_create_dedup_outbox.down.sql")
+		require.NoError(t, err)
+		conn, err := b.schema.Pool.Acquire(ctx)
+		require.NoError(t, err)
+		if opts.Schema != "" {
+			_, err = conn.Exec(ctx, `SET search_path = "limit"`)
+			require.NoError(t, err)
+		}
+		_, err = conn.Exec(ctx, strings.ReplaceAll(string(down), outboxsql.TableToken, opts.Table))
+		conn.Release()
+		require.NoError(t, err, "%+v", opts)
+		schema := opts.Schema
+		if schema == "" {
+			schema = b.schema.Name
+		}
+		require.Zero(t, b.count(t, `SELECT count(to_regclass(format('%I.%I', $1::text, t))) FROM unnest(ARRAY[$2::text, $2::text || '_migration']) AS t`, schema, opts.Table), "%+v", opts)
+		require.NoError(t, ob.Migrate(ctx), "%+v, after the down file", opts)
+	}
+}
+
 // TestMigrateBesideAnOutboxLaterInSearchPath: without Options.Schema, an
 // outbox table (migrated, its version table there too) further down
 // search_path is not taken for this one: Migrate makes the outbox in

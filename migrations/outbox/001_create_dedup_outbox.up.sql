@@ -1,6 +1,10 @@
 -- One row per message enqueued inside an effect's transaction. It commits
 -- with the effect and its marker, or not at all.
-CREATE TABLE IF NOT EXISTS dedup_outbox (
+--
+-- The table, index and constraint names are quoted: a migrator that renames
+-- the table replaces the token dedup_outbox (also their prefix), and any
+-- lower-case identifier, reserved words included, stays valid.
+CREATE TABLE IF NOT EXISTS "dedup_outbox" (
     id              bigserial   PRIMARY KEY,
     -- Sent with every delivery; the destination deduplicates on it.
     idempotency_key text        NOT NULL,
@@ -54,11 +58,11 @@ CREATE TABLE IF NOT EXISTS dedup_outbox (
     -- turn. A recorded failure resets them; a re-queue by the reconciler
     -- keeps them.
     stalls          integer     NOT NULL DEFAULT 0,
-    CONSTRAINT dedup_outbox_idempotency_key_key UNIQUE (idempotency_key)
+    CONSTRAINT "dedup_outbox_idempotency_key_key" UNIQUE (idempotency_key)
 );
 
-CREATE INDEX IF NOT EXISTS dedup_outbox_due_idx ON dedup_outbox (next_attempt_at) WHERE state = 'pending';
-CREATE INDEX IF NOT EXISTS dedup_outbox_lease_idx ON dedup_outbox (lease_until) WHERE state = 'sending';
-CREATE INDEX IF NOT EXISTS dedup_outbox_event_idx ON dedup_outbox (event_key, name);
-CREATE INDEX IF NOT EXISTS dedup_outbox_settled_idx ON dedup_outbox (settled_at) WHERE state IN ('sent', 'applied', 'rejected');
-CREATE INDEX IF NOT EXISTS dedup_outbox_dead_idx ON dedup_outbox (settled_at NULLS FIRST, id) WHERE state = 'dead';
+CREATE INDEX IF NOT EXISTS "dedup_outbox_due_idx" ON "dedup_outbox" (next_attempt_at) WHERE state = 'pending';
+CREATE INDEX IF NOT EXISTS "dedup_outbox_lease_idx" ON "dedup_outbox" (lease_until) WHERE state = 'sending';
+CREATE INDEX IF NOT EXISTS "dedup_outbox_event_idx" ON "dedup_outbox" (event_key, name);
+CREATE INDEX IF NOT EXISTS "dedup_outbox_settled_idx" ON "dedup_outbox" (settled_at) WHERE state IN ('sent', 'applied', 'rejected');
+CREATE INDEX IF NOT EXISTS "dedup_outbox_dead_idx" ON "dedup_outbox" (settled_at NULLS FIRST, id) WHERE state = 'dead';
