@@ -72,9 +72,11 @@ const migrateLockTimeout = 500 * time.Millisecond
 // and after a migration tool applied the files of the migrations package:
 //
 //   - When the table has every column this version uses (and its functions
-//     are there), Migrate only
-//     reads the catalog (one round trip, no lock, no CREATE privilege
-//     needed), so a least-privilege worker can call it at every start.
+//     are there), Migrate only reads the catalog (one round trip, no lock,
+//     no CREATE privilege needed), so a least-privilege worker can call it
+//     at every start. In the partitioned layout it then creates the
+//     missing partitions of the current and the next PartitionsAhead
+//     intervals (as Prune does), if its role may.
 //   - Otherwise it applies the migrations in one transaction under an
 //     advisory lock and records them in a table named <Table>_migration.
 //     The files are idempotent, so a table dropped by hand or by the down
