@@ -113,11 +113,17 @@ func TestObservabilityBackends(t *testing.T) {
 	require.Less(t, p99[0].Value, 30.0)
 	require.Equal(t, 9.0, query(`sum(dedup_claim_duration_seconds_count` + sel + `)`)[0].Value)
 	// The join with the SDK's own metrics, on the labels both carry.
-	joined := query(`sum by (activity_type, namespace, task_queue) (dedup_attempts_total` + sel + `)
-  * on (activity_type, namespace, task_queue) group_left
-  sum by (activity_type, namespace, task_queue) (temporal_activity_execution_failed_total)`)
-	require.Len(t, joined, 1, "Debit failed once (the lost completion) and joins its dedup attempts")
-	require.Equal(t, activities.DebitName, joined[0].Metric["activity_type"])
+	// Debit alone failed (each transfer's lost completion): its outcomes,
+	// at the dedup counter's own values, not multiplied by the failures.
+	joined := map[string]float64{}
+	for _, s := range query(`sum by (activity_type, namespace, task_queue, dedup_outcome) (dedup_attempts_total` + sel + `)
+  and on (activity_type, namespace, task_queue)
+  sum by (activity_type, namespace, task_queue) (temporal_activity_execution_failed_total) > 0`) {
+		require.Equal(t, activities.DebitName, s.Metric["activity_type"], "%v", s.Metric)
+		joined[s.Metric["dedup_outcome"]] = s.Value
+	}
+	require.Equal(t, 3.0, joined["claimed"], "%v", joined)
+	require.Equal(t, 3.0, joined["duplicate"], "%v", joined)
 
 	// Prune one expired marker, so the pruned counter has a value; then run
 	// the dashboard's queries. The counter's series was there at zero since
