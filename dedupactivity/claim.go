@@ -42,13 +42,13 @@ type attempt struct {
 	result        []byte // the encoded result returned: new, or stored
 }
 
-// effectPanic carries a panic of the effect out of claim with what the
-// attempt took (its claim, unless a riding claim was never sent, and its
-// effect), for the wrapper's telemetry; the wrapper panics again with value.
+// effectPanic is what an attempt whose effect panicked took (its claim,
+// unless a riding claim was never sent, and its effect): claim leaves it
+// for the wrapper's telemetry while the panic goes on, not recovered.
 type effectPanic struct {
-	value   any
 	a       attempt
 	claimed bool
+	set     bool
 }
 
 // claim runs one delivery of the event m on a pooled connection, in one
@@ -81,7 +81,9 @@ type effectPanic struct {
 // error, which it then gets from pgx). Any error or panic before
 // the commit rolls everything back, the marker included, so the retry
 // applies the effect.
-func (d *Deduper) claim(ctx context.Context, m *marker, ride bool, fn applyFunc) (a attempt, err error) {
+//
+// When the effect panics, claim sets *panicked before the panic goes on.
+func (d *Deduper) claim(ctx context.Context, m *marker, ride bool, fn applyFunc, panicked *effectPanic) (a attempt, err error) {
 	a.outcome = OutcomeError
 	tx := &claimTx{d: d, m: m, ctx: ctx, start: time.Now()}
 	if tx.pc, err = d.pool.Acquire(ctx); err != nil {
@@ -109,12 +111,11 @@ func (d *Deduper) claim(ctx context.Context, m *marker, ride bool, fn applyFunc)
 
 	effectStart := time.Now()
 	a.outcome = OutcomeEffectError // until the effect returns cleanly
+	returned := false
 	defer func() {
-		// The effect panicked: the wrapper records what it took on the way
-		// out (see effectPanic); the value goes on as it was.
-		if r := recover(); r != nil {
+		if !returned { // the effect panicked (see effectPanic)
 			a.claimWait, a.effectTime, a.ranEffect = tx.took, time.Since(effectStart), true
-			panic(effectPanic{value: r, a: a, claimed: tx.took > 0})
+			*panicked = effectPanic{a: a, claimed: tx.took > 0, set: true}
 		}
 	}()
 	result, err := func() (_ []byte, err error) {
@@ -144,6 +145,7 @@ func (d *Deduper) claim(ctx context.Context, m *marker, ride bool, fn applyFunc)
 		defer tx.guard.Close()
 		return fn(ctx, tx.guard.Tx(tx))
 	}()
+	returned = true
 	a.effectTime = time.Since(effectStart)
 	sentAfter := tx.state == stateNone
 	if sentAfter {

@@ -119,6 +119,16 @@ func TestPanicRecordsItsDurations(t *testing.T) {
 	require.GreaterOrEqual(t, sums[dedupactivity.MetricEffectDuration]["effect_error"], 0.2)
 	require.Equal(t, uint64(2), counts[dedupactivity.MetricClaimDuration]["effect_error"])
 	require.Positive(t, sums[dedupactivity.MetricClaimDuration]["effect_error"])
+
+	// Through Do, the caller recovers the effect's own value, and the
+	// attempt is counted once more.
+	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "do"}
+	require.PanicsWithValue(t, "effect bug", func() {
+		_, _, _ = dedupactivity.Do(context.Background(), b.d, id, Transfer{Account: "a", Amount: 1},
+			func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) { panic("effect bug") })
+	})
+	counts, _ = histograms(t, b)
+	require.Equal(t, uint64(3), counts[dedupactivity.MetricEffectDuration]["effect_error"])
 }
 
 // TestReturnStoredSeedsTheRejectedMismatch: under MismatchReturnStored a

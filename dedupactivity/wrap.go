@@ -268,10 +268,11 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 
 	ctx, rec := w.d.tel.start(ctx, info, id, m.sum)
 	ctx = event.With(ctx, &m.sum)
+	var panicked effectPanic
 	defer func() {
 		if r := recover(); r != nil {
-			if p, ok := r.(effectPanic); ok {
-				r, a, rec.noClaim = p.value, p.a, !p.claimed
+			if panicked.set {
+				a, rec.noClaim = panicked.a, !panicked.claimed
 			}
 			a.outcome = OutcomeEffectError
 			rec.set(a)
@@ -300,7 +301,7 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 		}
 		claimedOut, err = asStored(dc, b, o) // what a duplicate returns
 		return b, err
-	})
+	}, &panicked)
 	if err != nil {
 		if ee := (effectError{}); errors.As(err, &ee) {
 			err = ee.err // the effect's own error, unchanged

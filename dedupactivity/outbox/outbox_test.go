@@ -613,7 +613,9 @@ func TestReservedWordNames(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	ctx := context.Background()
-	t.Cleanup(func() { _, _ = b.schema.Pool.Exec(context.Background(), `DROP SCHEMA IF EXISTS "limit" CASCADE`) })
+	dropLimit := func() { _, _ = b.schema.Pool.Exec(context.Background(), `DROP SCHEMA IF EXISTS "limit" CASCADE`) }
+	dropLimit() // left by a run killed midway, under TEST_DATABASE_URL
+	t.Cleanup(dropLimit)
 	dest := newDestination(t, func(string, int) int { return http.StatusOK })
 	for _, opts := range []outbox.Options{{Table: "order"}, {Schema: "limit", Table: "user"}} {
 		ob, err := outbox.New(b.schema.Pool, opts)
@@ -646,15 +648,15 @@ func TestReservedWordNames(t *testing.T) {
 		// tables, and Migrate makes them again.
 		down, err := fs.ReadFile(outboxsql.FS, "001_create_dedup_outbox.down.sql")
 		require.NoError(t, err)
-		conn, err := b.schema.Pool.Acquire(ctx)
-		require.NoError(t, err)
-		if opts.Schema != "" {
-			_, err = conn.Exec(ctx, `SET search_path = "limit"`)
-			require.NoError(t, err)
-		}
-		_, err = conn.Exec(ctx, strings.ReplaceAll(string(down), outboxsql.TableToken, opts.Table))
-		conn.Release()
-		require.NoError(t, err, "%+v", opts)
+		require.NoError(t, pgx.BeginFunc(ctx, b.schema.Pool, func(tx pgx.Tx) error {
+			if opts.Schema != "" {
+				if _, err := tx.Exec(ctx, `SET LOCAL search_path = "limit"`); err != nil {
+					return err
+				}
+			}
+			_, err := tx.Exec(ctx, strings.ReplaceAll(string(down), outboxsql.TableToken, opts.Table))
+			return err
+		}), "%+v", opts)
 		schema := opts.Schema
 		if schema == "" {
 			schema = b.schema.Name
