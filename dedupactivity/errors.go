@@ -122,6 +122,11 @@ var errDuplicate = errors.New("dedupactivity: this delivery is a duplicate (the 
 // it; see claimTx.send.
 var errNotRidden = errors.New("dedupactivity: the statement could not carry the claim")
 
+// errEffectExited is what the telemetry of an attempt records when its
+// effect ended the goroutine (runtime.Goexit, as t.FailNow does) instead of
+// returning: the transaction is rolled back and nothing is returned.
+var errEffectExited = errors.New("dedupactivity: the effect exited its goroutine (runtime.Goexit) without returning")
+
 // Temporal ApplicationError types used at the activity edge. Workflows can
 // match them with temporal.ApplicationError.Type(). Each says whether it is
 // retryable; listing a retryable one in RetryPolicy.NonRetryableErrorTypes

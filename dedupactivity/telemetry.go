@@ -182,13 +182,13 @@ const (
 	// input (rejected, or returned the stored result under
 	// MismatchReturnStored), or by another activity type (rejected).
 	OutcomePayloadMismatch Outcome = "payload_mismatch"
-	// OutcomeEffectError: the effect returned an error (or panicked); all
-	// was rolled back.
+	// OutcomeEffectError: the effect returned an error, panicked or ended
+	// its goroutine (runtime.Goexit); all was rolled back.
 	OutcomeEffectError Outcome = "effect_error"
 	// OutcomeClaimTimeout: another attempt held the event past ClaimWait.
 	OutcomeClaimTimeout Outcome = "claim_timeout"
 	// OutcomeError: an infrastructure or usage error (database, encoding,
-	// invalid input); all was rolled back.
+	// invalid input), or a panic outside the effect; all was rolled back.
 	OutcomeError Outcome = "error"
 )
 

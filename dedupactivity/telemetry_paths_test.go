@@ -8,6 +8,7 @@ package dedupactivity_test
 import (
 	"context"
 	"errors"
+	"runtime"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
@@ -129,6 +130,83 @@ func TestPanicRecordsItsDurations(t *testing.T) {
 	})
 	counts, _ = histograms(t, b)
 	require.Equal(t, uint64(3), counts[dedupactivity.MetricEffectDuration]["effect_error"])
+}
+
+// TestEffectGoexitIsTraced: an effect that ends its goroutine instead of
+// returning (runtime.Goexit, as t.FailNow in an effect does) is an
+// effect_error with its durations and an Error span, and its transaction
+// is rolled back. recover does not see a Goexit: the attempt was traced as
+// an error with no error.type and its span left unset.
+func TestEffectGoexitIsTraced(t *testing.T) {
+	t.Parallel()
+	b := setupTelemetry(t, dedupactivity.Options{})
+	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "exit"}
+	in := Transfer{Account: "a", Amount: 1}
+	done := make(chan bool)
+	go func() {
+		returned := false
+		defer func() { done <- returned }()
+		_, _, _ = dedupactivity.Do(context.Background(), b.d, id, in, func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+			if _, err := b.post(ctx, tx, in); err != nil {
+				return Posting{}, err
+			}
+			if _, err := tx.Exec(ctx, `SELECT pg_sleep(0.05)`); err != nil {
+				return Posting{}, err
+			}
+			runtime.Goexit()
+			return Posting{}, nil
+		})
+		returned = true
+	}()
+	require.False(t, <-done, "Do returned")
+	require.Zero(t, b.ledgerRows(t), "rolled back")
+	require.Zero(t, b.markers(t))
+
+	ended := b.spans.Ended()
+	require.Len(t, ended, 1)
+	require.Equal(t, codes.Error, ended[0].Status().Code)
+	require.Equal(t, string(dedupactivity.OutcomeEffectError), attr(ended[0], dedupactivity.OutcomeKey).AsString())
+	require.Positive(t, attr(ended[0], dedupactivity.ClaimWaitKey).AsFloat64())
+	require.Equal(t, int64(1), allAttemptSeries(t, b.reader)["Post/effect_error/_OTHER"])
+	counts, sums := histograms(t, b)
+	require.Equal(t, uint64(1), counts[dedupactivity.MetricEffectDuration]["effect_error"])
+	require.GreaterOrEqual(t, sums[dedupactivity.MetricEffectDuration]["effect_error"], 0.05)
+	require.Equal(t, uint64(1), counts[dedupactivity.MetricClaimDuration]["effect_error"])
+
+	// The connection went back to the pool, the event unclaimed.
+	_, o, err := dedupactivity.Do(context.Background(), b.d, id, in, b.post)
+	require.NoError(t, err)
+	require.Equal(t, dedupactivity.OutcomeClaimed, o)
+	require.Equal(t, int64(1), b.ledgerRows(t))
+}
+
+// TestLibraryPanicIsNotTheEffects: a panic outside the effect (here a hook
+// between the claim and the effect) reaches the caller unchanged and is
+// counted as an error with no durations, not as the effect's failure.
+func TestLibraryPanicIsNotTheEffects(t *testing.T) {
+	t.Parallel()
+	b := setupTelemetry(t, dedupactivity.Options{})
+	dedupactivity.SetAfterClaimHook(b.d, func(context.Context, pgx.Tx) error { panic("library bug") })
+	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "bug"}
+	ran := false
+	require.PanicsWithValue(t, "library bug", func() {
+		_, _, _ = dedupactivity.Do(context.Background(), b.d, id, Transfer{Account: "a", Amount: 1},
+			func(ctx context.Context, tx pgx.Tx, in Transfer) (Posting, error) {
+				ran = true
+				return b.post(ctx, tx, in)
+			})
+	})
+	require.False(t, ran)
+	require.Zero(t, b.ledgerRows(t))
+	require.Zero(t, b.markers(t))
+	ended := b.spans.Ended()
+	require.Len(t, ended, 1)
+	require.Equal(t, codes.Error, ended[0].Status().Code)
+	require.Equal(t, string(dedupactivity.OutcomeError), attr(ended[0], dedupactivity.OutcomeKey).AsString())
+	require.Equal(t, int64(1), allAttemptSeries(t, b.reader)["Post/error/_OTHER"])
+	counts, _ := histograms(t, b)
+	require.Zero(t, counts[dedupactivity.MetricEffectDuration]["error"]+counts[dedupactivity.MetricEffectDuration]["effect_error"])
+	require.Zero(t, counts[dedupactivity.MetricClaimDuration]["error"]+counts[dedupactivity.MetricClaimDuration]["effect_error"])
 }
 
 // TestReturnStoredSeedsTheRejectedMismatch: under MismatchReturnStored a

@@ -270,17 +270,29 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 	ctx = event.With(ctx, &m.sum)
 	var panicked effectPanic
 	defer func() {
-		if r := recover(); r != nil {
-			if panicked.set {
-				a, rec.noClaim = panicked.a, !panicked.claimed
-			}
-			a.outcome = OutcomeEffectError
+		r := recover()
+		if r == nil && !panicked.set {
 			rec.set(a)
-			w.d.tel.end(ctx, rec, fmt.Errorf("panic: %v", r))
-			panic(r)
+			w.d.tel.end(ctx, rec, err)
+			return
+		}
+		// A panic, or an effect that ended its goroutine (runtime.Goexit,
+		// as t.FailNow does), which recover does not see. claim left what
+		// an effect's took in panicked; a panic it did not leave there is
+		// the library's own, before or after the effect.
+		if panicked.set {
+			a, rec.noClaim = panicked.a, !panicked.claimed
+			a.outcome = OutcomeEffectError
+		} else {
+			a, rec.noClaim = attempt{outcome: OutcomeError}, true
 		}
 		rec.set(a)
-		w.d.tel.end(ctx, rec, err)
+		if r == nil {
+			w.d.tel.end(ctx, rec, errEffectExited)
+			return
+		}
+		w.d.tel.end(ctx, rec, fmt.Errorf("panic: %v", r))
+		panic(r)
 	}()
 
 	if err = fingerprintInput(m, id, in); err != nil {

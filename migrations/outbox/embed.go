@@ -3,8 +3,9 @@
 //
 // Files are named NNN_name.up.sql / NNN_name.down.sql and use the table name
 // "dedup_outbox" unqualified and quoted (TableToken, replaced, may be a
-// reserved word), so common migration tools can apply them as they are. outbox.Outbox.Migrate applies them under an advisory lock with a
-// version table, replacing the table name with the configured one.
+// reserved word), so common migration tools can apply them as they are.
+// outbox.Outbox.Migrate applies them under an advisory lock with a version
+// table, replacing the table name with the configured one.
 package outbox
 
 import "embed"
