@@ -613,6 +613,16 @@ func TestReservedWordNames(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	ctx := context.Background()
+	// Schema "limit" is the database's, not this test's own: another run
+	// of this test on the same TEST_DATABASE_URL waits for this one.
+	lock, err := b.schema.Pool.Acquire(ctx)
+	require.NoError(t, err)
+	_, err = lock.Exec(ctx, `SELECT pg_advisory_lock(hashtext('outbox TestReservedWordNames'))`)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_, _ = lock.Exec(context.Background(), `SELECT pg_advisory_unlock(hashtext('outbox TestReservedWordNames'))`)
+		lock.Release()
+	})
 	dropLimit := func() { _, _ = b.schema.Pool.Exec(context.Background(), `DROP SCHEMA IF EXISTS "limit" CASCADE`) }
 	dropLimit() // left by a run killed midway, under TEST_DATABASE_URL
 	t.Cleanup(dropLimit)
