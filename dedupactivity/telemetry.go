@@ -188,7 +188,8 @@ const (
 	// OutcomeClaimTimeout: another attempt held the event past ClaimWait.
 	OutcomeClaimTimeout Outcome = "claim_timeout"
 	// OutcomeError: an infrastructure or usage error (database, encoding,
-	// invalid input), or a panic outside the effect; all was rolled back.
+	// invalid input), or a panic outside the effect (the library's, or the
+	// DataConverter's on the effect's result); all was rolled back.
 	OutcomeError Outcome = "error"
 )
 

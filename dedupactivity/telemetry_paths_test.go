@@ -15,6 +15,8 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
+	commonpb "go.temporal.io/api/common/v1"
+	"go.temporal.io/sdk/converter"
 
 	"github.com/dedupactivity/dedupactivity/dedupactivity"
 )
@@ -207,6 +209,38 @@ func TestLibraryPanicIsNotTheEffects(t *testing.T) {
 	counts, _ := histograms(t, b)
 	require.Zero(t, counts[dedupactivity.MetricEffectDuration]["error"]+counts[dedupactivity.MetricEffectDuration]["effect_error"])
 	require.Zero(t, counts[dedupactivity.MetricClaimDuration]["error"]+counts[dedupactivity.MetricClaimDuration]["effect_error"])
+}
+
+// panickingConverter is the default converter, except that it panics
+// encoding a Posting.
+type panickingConverter struct{ converter.DataConverter }
+
+func (c panickingConverter) ToPayload(v any) (*commonpb.Payload, error) {
+	if _, ok := v.(Posting); ok {
+		panic("converter bug")
+	}
+	return c.DataConverter.ToPayload(v)
+}
+
+// TestConverterPanicIsNotTheEffects: a DataConverter that panics on the
+// effect's result fails the attempt as an error, with the effect's
+// duration, not as the effect's failure (effect_error), and the effect is
+// rolled back.
+func TestConverterPanicIsNotTheEffects(t *testing.T) {
+	t.Parallel()
+	b := setupTelemetry(t, dedupactivity.Options{DataConverter: panickingConverter{converter.GetDefaultDataConverter()}})
+	fn := dedupactivity.Wrap(b.d, b.post, dedupactivity.WithBusinessKey(func(Transfer) (string, error) { return "k", nil }))
+	_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
+	require.ErrorContains(t, err, "converter bug")
+	require.Zero(t, b.ledgerRows(t))
+	require.Zero(t, b.markers(t))
+	ended := b.spans.Ended()
+	require.Len(t, ended, 1)
+	require.Equal(t, string(dedupactivity.OutcomeError), attr(ended[0], dedupactivity.OutcomeKey).AsString())
+	require.Equal(t, int64(1), allAttemptSeries(t, b.reader)["Post/error/_OTHER"])
+	counts, _ := histograms(t, b)
+	require.Equal(t, uint64(1), counts[dedupactivity.MetricEffectDuration]["error"], "the effect ran")
+	require.Zero(t, counts[dedupactivity.MetricEffectDuration]["effect_error"])
 }
 
 // TestReturnStoredSeedsTheRejectedMismatch: under MismatchReturnStored a

@@ -269,6 +269,7 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 	ctx, rec := w.d.tel.start(ctx, info, id, m.sum)
 	ctx = event.With(ctx, &m.sum)
 	var panicked effectPanic
+	effectReturned := false // w.fn returned: a panic after it is the converter's
 	defer func() {
 		r := recover()
 		if r == nil && !panicked.set {
@@ -278,11 +279,16 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 		}
 		// A panic, or an effect that ended its goroutine (runtime.Goexit,
 		// as t.FailNow does), which recover does not see. claim left what
-		// an effect's took in panicked; a panic it did not leave there is
-		// the library's own, before or after the effect.
+		// the attempt took in panicked when it came from the function it
+		// ran: the effect's, or the DataConverter's on the effect's result
+		// after it returned. A panic it did not leave there is the
+		// library's own, before or after that function.
 		if panicked.set {
 			a, rec.noClaim = panicked.a, !panicked.claimed
 			a.outcome = OutcomeEffectError
+			if effectReturned {
+				a.outcome = OutcomeError
+			}
 		} else {
 			a, rec.noClaim = attempt{outcome: OutcomeError}, true
 		}
@@ -304,6 +310,7 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 	var claimedOut Out
 	a, err = w.d.claim(ctx, m, mayRide(id, info), func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
 		o, err := w.fn(ctx, tx, in)
+		effectReturned = true
 		if err != nil {
 			return nil, effectError{err}
 		}
