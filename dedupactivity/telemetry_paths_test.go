@@ -9,6 +9,7 @@ import (
 	"context"
 	"errors"
 	"runtime"
+	"sync/atomic"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
@@ -223,9 +224,10 @@ func (c panickingConverter) ToPayload(v any) (*commonpb.Payload, error) {
 }
 
 // TestConverterPanicIsNotTheEffects: a DataConverter that panics on the
-// effect's result fails the attempt as an error, with the effect's
-// duration, not as the effect's failure (effect_error), and the effect is
-// rolled back.
+// effect's result fails the attempt as an error, with its durations, not as
+// the effect's failure (effect_error), and the effect is rolled back; one
+// that panics reading a duplicate's stored result fails it as an error with
+// its claim duration.
 func TestConverterPanicIsNotTheEffects(t *testing.T) {
 	t.Parallel()
 	b := setupTelemetry(t, dedupactivity.Options{DataConverter: panickingConverter{converter.GetDefaultDataConverter()}})
@@ -241,6 +243,37 @@ func TestConverterPanicIsNotTheEffects(t *testing.T) {
 	counts, _ := histograms(t, b)
 	require.Equal(t, uint64(1), counts[dedupactivity.MetricEffectDuration]["error"], "the effect ran")
 	require.Zero(t, counts[dedupactivity.MetricEffectDuration]["effect_error"])
+	require.Equal(t, uint64(1), counts[dedupactivity.MetricClaimDuration]["error"])
+
+	// A duplicate whose stored result the converter panics on.
+	unreadable := &unreadingConverter{DataConverter: converter.GetDefaultDataConverter()}
+	plain := setupTelemetry(t, dedupactivity.Options{DataConverter: unreadable})
+	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "stored"}
+	in := Transfer{Account: "a", Amount: 1}
+	_, _, err = dedupactivity.Do(context.Background(), plain.d, id, in, plain.post)
+	require.NoError(t, err)
+	unreadable.panics.Store(true)
+	require.PanicsWithValue(t, "converter bug", func() { _, _, _ = dedupactivity.Do(context.Background(), plain.d, id, in, plain.post) })
+	require.Equal(t, int64(1), plain.ledgerRows(t))
+	counts, sums := histograms(t, plain)
+	require.Equal(t, uint64(1), counts[dedupactivity.MetricClaimDuration]["error"], "the duplicate claimed")
+	require.Positive(t, sums[dedupactivity.MetricClaimDuration]["error"])
+	require.Zero(t, counts[dedupactivity.MetricEffectDuration]["error"])
+	require.Equal(t, int64(1), allAttemptSeries(t, plain.reader)["Post/error/_OTHER"])
+}
+
+// unreadingConverter is the default converter, except that it panics
+// decoding a Posting once panics is set.
+type unreadingConverter struct {
+	converter.DataConverter
+	panics atomic.Bool
+}
+
+func (c *unreadingConverter) FromPayload(p *commonpb.Payload, v any) error {
+	if _, ok := v.(*Posting); ok && c.panics.Load() {
+		panic("converter bug")
+	}
+	return c.DataConverter.FromPayload(p, v)
 }
 
 // TestReturnStoredSeedsTheRejectedMismatch: under MismatchReturnStored a

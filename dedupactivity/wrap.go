@@ -281,8 +281,10 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 		// as t.FailNow does), which recover does not see. claim left what
 		// the attempt took in panicked when it came from the function it
 		// ran: the effect's, or the DataConverter's on the effect's result
-		// after it returned. A panic it did not leave there is the
-		// library's own, before or after that function.
+		// after it returned. Any other panic is not the effect's: the
+		// library's own, or the converter's on a duplicate's stored result
+		// after claim returned what it took (a has no claim wait when
+		// claim did not return).
 		if panicked.set {
 			a, rec.noClaim = panicked.a, !panicked.claimed
 			a.outcome = OutcomeEffectError
@@ -290,7 +292,7 @@ func (w *wrapper[In, Out]) apply(ctx context.Context, info activity.Info, id Ide
 				a.outcome = OutcomeError
 			}
 		} else {
-			a, rec.noClaim = attempt{outcome: OutcomeError}, true
+			a.outcome, rec.noClaim = OutcomeError, rec.noClaim || a.claimWait == 0
 		}
 		rec.set(a)
 		if r == nil {
