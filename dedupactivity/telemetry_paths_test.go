@@ -213,14 +213,24 @@ func TestLibraryPanicIsNotTheEffects(t *testing.T) {
 }
 
 // panickingConverter is the default converter, except that it panics
-// encoding a Posting.
-type panickingConverter struct{ converter.DataConverter }
+// encoding a Posting once encode is set, and decoding one once decode is.
+type panickingConverter struct {
+	converter.DataConverter
+	encode, decode atomic.Bool
+}
 
-func (c panickingConverter) ToPayload(v any) (*commonpb.Payload, error) {
-	if _, ok := v.(Posting); ok {
+func (c *panickingConverter) ToPayload(v any) (*commonpb.Payload, error) {
+	if _, ok := v.(Posting); ok && c.encode.Load() {
 		panic("converter bug")
 	}
 	return c.DataConverter.ToPayload(v)
+}
+
+func (c *panickingConverter) FromPayload(p *commonpb.Payload, v any) error {
+	if _, ok := v.(*Posting); ok && c.decode.Load() {
+		panic("converter bug")
+	}
+	return c.DataConverter.FromPayload(p, v)
 }
 
 // TestConverterPanicIsNotTheEffects: a DataConverter that panics on the
@@ -230,7 +240,9 @@ func (c panickingConverter) ToPayload(v any) (*commonpb.Payload, error) {
 // its claim duration.
 func TestConverterPanicIsNotTheEffects(t *testing.T) {
 	t.Parallel()
-	b := setupTelemetry(t, dedupactivity.Options{DataConverter: panickingConverter{converter.GetDefaultDataConverter()}})
+	encoding := &panickingConverter{DataConverter: converter.GetDefaultDataConverter()}
+	encoding.encode.Store(true)
+	b := setupTelemetry(t, dedupactivity.Options{DataConverter: encoding})
 	fn := dedupactivity.Wrap(b.d, b.post, dedupactivity.WithBusinessKey(func(Transfer) (string, error) { return "k", nil }))
 	_, err := deliver(t, "Post", fn, Transfer{Account: "a", Amount: 1})
 	require.ErrorContains(t, err, "converter bug")
@@ -246,13 +258,13 @@ func TestConverterPanicIsNotTheEffects(t *testing.T) {
 	require.Equal(t, uint64(1), counts[dedupactivity.MetricClaimDuration]["error"])
 
 	// A duplicate whose stored result the converter panics on.
-	unreadable := &unreadingConverter{DataConverter: converter.GetDefaultDataConverter()}
-	plain := setupTelemetry(t, dedupactivity.Options{DataConverter: unreadable})
+	decoding := &panickingConverter{DataConverter: converter.GetDefaultDataConverter()}
+	plain := setupTelemetry(t, dedupactivity.Options{DataConverter: decoding})
 	id := dedupactivity.Identity{Kind: dedupactivity.KindBusinessKey, ActivityType: "Post", Key: "stored"}
 	in := Transfer{Account: "a", Amount: 1}
 	_, _, err = dedupactivity.Do(context.Background(), plain.d, id, in, plain.post)
 	require.NoError(t, err)
-	unreadable.panics.Store(true)
+	decoding.decode.Store(true)
 	require.PanicsWithValue(t, "converter bug", func() { _, _, _ = dedupactivity.Do(context.Background(), plain.d, id, in, plain.post) })
 	require.Equal(t, int64(1), plain.ledgerRows(t))
 	counts, sums := histograms(t, plain)
@@ -260,20 +272,6 @@ func TestConverterPanicIsNotTheEffects(t *testing.T) {
 	require.Positive(t, sums[dedupactivity.MetricClaimDuration]["error"])
 	require.Zero(t, counts[dedupactivity.MetricEffectDuration]["error"])
 	require.Equal(t, int64(1), allAttemptSeries(t, plain.reader)["Post/error/_OTHER"])
-}
-
-// unreadingConverter is the default converter, except that it panics
-// decoding a Posting once panics is set.
-type unreadingConverter struct {
-	converter.DataConverter
-	panics atomic.Bool
-}
-
-func (c *unreadingConverter) FromPayload(p *commonpb.Payload, v any) error {
-	if _, ok := v.(*Posting); ok && c.panics.Load() {
-		panic("converter bug")
-	}
-	return c.DataConverter.FromPayload(p, v)
 }
 
 // TestReturnStoredSeedsTheRejectedMismatch: under MismatchReturnStored a
